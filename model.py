@@ -1,0 +1,467 @@
+"""
+One causal Transformer (nanoGPT's GPT) whose attention block is picked by config:
+MHA, GQA, MQA (softmax attention with n_kv_head K/V heads), MLA (DeepSeek-V2 latent attention)
+and linear attention (Katharopoulos et al. 2020). Each layout has an exact cache for generation.
+
+Two regimes: training / prefill feeds L = S = T tokens under a causal mask; decode feeds L = 1 token
+that attends to S = T + 1 keys. k_j and v_j depend only on tokens <= j, so they are cached; q is not.
+"""
+
+import math
+import inspect
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+from torch.nn import functional as F
+
+ATTN_LAYOUTS = ('mha', 'gqa', 'mqa', 'mla', 'linear')
+POS_EMBS = ('rope', 'learned')
+
+
+@dataclass
+class GPTConfig:
+    block_size: int = 256
+    vocab_size: int = 65       # tiny Shakespeare, char level
+    n_layer: int = 6
+    n_head: int = 6
+    n_embd: int = 384
+    dropout: float = 0.0
+    bias: bool = False         # bias in Linears and LayerNorms, like GPT-2
+    attn: str = 'mha'          # one of ATTN_LAYOUTS
+    n_kv_head: int = 0         # K/V heads of mha/gqa/mqa; 0 = the layout's default (n_head / smallest divisor > 1 / 1)
+    pos_emb: str = 'rope'      # 'rope', or nanoGPT's 'learned' absolute positions
+    rope_base: float = 10000.0
+    kv_lora_rank: int = 256    # MLA d_c: the cached latent (paper ratio d_c = 4 * head_dim)
+    rope_head_dim: int = 32    # MLA d_R: the decoupled rope query/key (paper ratio d_R = head_dim / 2)
+    q_lora_rank: int = 0       # MLA query compression; 0 = off (as DeepSeek-V2-Lite)
+    chunk_size: int = 64       # linear attention: chunk of the chunkwise-parallel training form
+
+    def __post_init__(self):
+        def bad(field, allowed):
+            raise ValueError(f"GPTConfig.{field}={getattr(self, field)!r} is invalid: {allowed}")
+        if self.attn not in ATTN_LAYOUTS: bad('attn', f"must be one of {ATTN_LAYOUTS}")
+        if self.pos_emb not in POS_EMBS: bad('pos_emb', f"must be one of {POS_EMBS}")
+        for f in ('block_size', 'vocab_size', 'n_layer', 'n_head', 'n_embd', 'kv_lora_rank', 'chunk_size'):
+            if not isinstance(getattr(self, f), int) or getattr(self, f) < 1: bad(f, "must be an integer >= 1")
+        for f in ('n_kv_head', 'q_lora_rank', 'rope_head_dim'):
+            if not isinstance(getattr(self, f), int) or getattr(self, f) < 0: bad(f, "must be an integer >= 0")
+        if not 0.0 <= self.dropout < 1.0: bad('dropout', "must be in [0, 1)")
+        if self.n_embd % self.n_head: bad('n_embd', f"must be divisible by n_head={self.n_head}")
+        h = self.n_head
+        divisors = [d for d in range(2, h) if h % d == 0]   # valid GQA K/V head counts
+        if self.attn in ('mla', 'linear'):
+            if self.n_kv_head not in (0, h): bad('n_kv_head', f"only mha/gqa/mqa use it; leave it 0 for attn={self.attn!r}")
+            self.n_kv_head = h
+        elif self.attn == 'mha':
+            if self.n_kv_head not in (0, h): bad('n_kv_head', f"attn='mha' needs n_kv_head == n_head ({h})")
+            self.n_kv_head = h
+        elif self.attn == 'mqa':
+            if self.n_kv_head not in (0, 1): bad('n_kv_head', "attn='mqa' needs n_kv_head == 1")
+            self.n_kv_head = 1
+        elif self.n_kv_head == 0 and divisors:
+            self.n_kv_head = divisors[0]
+        elif self.n_kv_head not in divisors:
+            bad('n_kv_head', f"attn='gqa' needs a divisor of n_head={h} strictly between 1 and {h}: {divisors}")
+        if self.attn == 'mla' and (self.rope_head_dim < 2 or self.rope_head_dim % 2):
+            bad('rope_head_dim', "must be even and >= 2 for attn='mla' (RoPE rotates pairs)")
+        if not self.rope_base > 0: bad('rope_base', "must be > 0")
+        if self.pos_emb == 'rope' and self.attn in ('mha', 'gqa', 'mqa') and self.head_dim % 2:
+            bad('n_embd', f"n_embd / n_head = {self.head_dim} must be even for RoPE (or use pos_emb='learned')")
+
+    @property
+    def head_dim(self):
+        return self.n_embd // self.n_head
+
+    def cache_elements(self, T):
+        """Elements a cache holds after T tokens (batch 1, all layers): the table of the README."""
+        per_layer = {'mla': (self.kv_lora_rank + self.rope_head_dim) * T,          # latent + shared rope key
+                     'linear': self.n_head * self.head_dim * (self.head_dim + 1)}  # S and z, whatever T
+        return self.n_layer * per_layer.get(self.attn, 2 * self.n_kv_head * self.head_dim * T)
+
+
+# ----------------------------------------------------------------------------------------------
+# What the layouts share: RoPE, the causal attention call, the caches.
+
+def rope_table(dim, length, base):
+    """cos, sin of shape (length, dim/2) for positions 0..length-1."""
+    inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+    freqs = torch.outer(torch.arange(length, dtype=torch.float32), inv_freq)
+    return freqs.cos(), freqs.sin()
+
+
+def apply_rope(x, rope):
+    """Rotate x (..., L, d) by position, half-split layout (x1 = first half, x2 = second half)."""
+    if rope is None:
+        return x
+    cos, sin = rope  # (L, d/2)
+    x1, x2 = x.chunk(2, dim=-1)  # products with the float32 table are float32 under 16-bit autocast
+    return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1).type_as(x)
+
+
+def attend(q, k, v, scale=None, dropout_p=0.0):
+    """softmax(q kᵀ * scale + causal mask) v where the L queries are the LAST L of the S key positions.
+    q (B, nh, L, d), k (B, n_kv, S, d), v (B, n_kv, S, dv); n_kv divides nh (groups share a K/V head)."""
+    L, S = q.size(-2), k.size(-2)
+    # is_causal aligns the mask top-left, right only when L == S; one query (decode) sees every key;
+    # otherwise (a chunk after a prefill) query i sees keys <= S - L + i: a right-aligned mask
+    mask = None if L in (1, S) else torch.ones(L, S, dtype=torch.bool, device=q.device).tril(S - L)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=L == S > 1,
+                                          scale=scale, enable_gqa=q.size(1) != k.size(1))
+
+
+class KVCache:
+    """Preallocated (B, heads, capacity, dim) buffers that grow along time: K and V for mha/gqa/mqa,
+    one [latent | rope key] buffer for MLA. Writes go into the buffers; nothing is ever resized."""
+
+    def __init__(self, shapes, dtype, device):
+        self.bufs = [torch.zeros(s, dtype=dtype, device=device) for s in shapes]
+
+    def update(self, pos, *xs):
+        """Write xs (B, heads, L, dim) at positions [pos, pos + L); return everything held so far."""
+        end = pos + xs[0].size(2)
+        for buf, x in zip(self.bufs, xs):
+            buf[:, :, pos:end] = x
+        return [buf[:, :, :end] for buf in self.bufs]
+
+    def nbytes(self, n):  # bytes of the first n positions (the filled part)
+        return sum(b[:, :, :n].numel() * b.element_size() for b in self.bufs)
+
+
+class StateCache:
+    """Linear attention's recurrent state: S = sum phi(k) vᵀ and z = sum phi(k). Fixed size in T."""
+
+    def __init__(self, S, z):
+        self.S, self.z = S, z
+
+    def nbytes(self, n):
+        return self.S.nbytes + self.z.nbytes
+
+
+class Cache:
+    """Every layer's cache plus the one position counter, advanced by GPT.forward after the last layer."""
+
+    def __init__(self, layers):
+        self.layers, self.pos = layers, 0
+
+    def __len__(self):
+        return self.pos
+
+    @property
+    def nbytes(self):
+        return sum(layer.nbytes(self.pos) for layer in self.layers)
+
+
+# ----------------------------------------------------------------------------------------------
+# The attention layouts: same forward(x, rope, pos, cache) and init_cache(batch, capacity, dtype, device)
+
+class CausalSelfAttention(nn.Module):
+    """MHA / GQA / MQA: n_head query heads in groups of n_head / n_kv_head share one K/V head.
+    Only the n_kv_head K/V heads are computed and cached."""
+
+    def __init__(self, config):
+        super().__init__()
+        self.n_head, self.n_kv_head, self.head_dim = config.n_head, config.n_kv_head, config.head_dim
+        self.c_attn = nn.Linear(config.n_embd, (self.n_head + 2 * self.n_kv_head) * self.head_dim, bias=config.bias)
+        self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
+        self.dropout = config.dropout
+        self.resid_dropout = nn.Dropout(config.dropout)
+
+    def forward(self, x, rope, pos, cache=None):
+        B, L, C = x.size()
+        q, k, v = self.c_attn(x).split([self.n_head * self.head_dim, self.n_kv_head * self.head_dim,
+                                        self.n_kv_head * self.head_dim], dim=2)
+        q = q.view(B, L, self.n_head, self.head_dim).transpose(1, 2)     # (B, nh, L, hs)
+        k = k.view(B, L, self.n_kv_head, self.head_dim).transpose(1, 2)  # (B, n_kv, L, hs)
+        v = v.view(B, L, self.n_kv_head, self.head_dim).transpose(1, 2)  # (B, n_kv, L, hs)
+        y = self.mix(q, k, v, rope, pos, cache)                          # (B, nh, L, hs)
+        return self.resid_dropout(self.c_proj(y.transpose(1, 2).contiguous().view(B, L, C)))
+
+    def mix(self, q, k, v, rope, pos, cache):
+        q, k = apply_rope(q, rope), apply_rope(k, rope)
+        if cache is not None:
+            k, v = cache.update(pos, k, v)  # (B, n_kv, S, hs): every key and value so far
+        return attend(q, k, v, dropout_p=self.dropout if self.training else 0.0)
+
+    def init_cache(self, batch_size, capacity, dtype, device):
+        shape = (batch_size, self.n_kv_head, capacity, self.head_dim)
+        return KVCache([shape, shape], dtype, device)
+
+
+def phi(x):
+    """elu(x) + 1 > 0, computed in float32 at least: in bf16 elu(x) + 1 rounds to 0 near x = -8."""
+    x = x.to(torch.promote_types(x.dtype, torch.float32))
+    return torch.where(x >= 0, x + 1, torch.exp(x.clamp(max=0)))
+
+
+def linear_parallel(q, k, v, eps=1e-6):
+    """Reference form, quadratic: O = (A V) / (A 1) with A = tril(phi(Q) phi(K)ᵀ). q, k are phi'd."""
+    A = (q @ k.transpose(-2, -1)).tril()  # (B, nh, T, T), diagonal included
+    return (A @ v) / (A.sum(-1, keepdim=True) + eps)
+
+
+def linear_recurrent(q, k, v, state, eps=1e-6):
+    """RNN form (decode): S_t = S_{t-1} + k_t v_tᵀ, z_t = z_{t-1} + k_t, o_t = q_tᵀ S_t / (q_tᵀ z_t)."""
+    S, z = state  # (B, nh, hs, hs), (B, nh, hs)
+    out = []
+    for t in range(q.size(2)):
+        S = S + k[:, :, t, :, None] * v[:, :, t, None, :]
+        z = z + k[:, :, t]
+        out.append((q[:, :, t, None] @ S).squeeze(2) / ((q[:, :, t] * z).sum(-1, keepdim=True) + eps))
+    return torch.stack(out, dim=2), (S, z)
+
+
+def linear_chunked(q, k, v, chunk_size, state, eps=1e-6):
+    """Chunkwise-parallel form (training, prefill): masked quadratic inside a chunk, the recurrent state
+    between chunks. chunk_size 1 is the recurrent form, chunk_size >= T the parallel one."""
+    B, H, T, D = q.shape
+    C = chunk_size
+    N = -(-T // C)
+    pad = lambda x: F.pad(x, (0, 0, 0, N * C - T)).view(B, H, N, C, x.size(-1))  # zero keys add nothing
+    q, k, v = pad(q), pad(k), pad(v)                                            # (B, nh, N, C, hs)
+    kv = k.transpose(-2, -1) @ v                                                # (B, nh, N, hs, hs)
+    S = state[0].unsqueeze(2) + kv.cumsum(2) - kv  # state entering each chunk (exclusive cumsum)
+    z = state[1].unsqueeze(2) + k.sum(3).cumsum(2) - k.sum(3)                    # (B, nh, N, hs)
+    A = (q @ k.transpose(-2, -1)).tril()                                        # (B, nh, N, C, C)
+    num = q @ S + A @ v
+    den = (q @ z.unsqueeze(-1)).squeeze(-1) + A.sum(-1)
+    out = (num / (den.unsqueeze(-1) + eps)).view(B, H, N * C, -1)[:, :, :T]
+    return out, (state[0] + kv.sum(2), state[1] + k.sum((2, 3)))
+
+
+class LinearAttention(CausalSelfAttention):
+    """Linear attention, phi(x) = elu(x) + 1 and no softmax: an RNN whose state is fixed in size.
+    No RoPE: rotating phi(q), phi(k) would break the positivity the denominator relies on; order
+    comes from causality (and from pos_emb='learned' if chosen). State and division in float32."""
+
+    def __init__(self, config):
+        super().__init__(config)
+        self.chunk_size = config.chunk_size
+
+    def mix(self, q, k, v, rope, pos, cache):
+        dtype = v.dtype
+        q, k, v = phi(q), phi(k), v.to(torch.promote_types(dtype, torch.float32))
+        if cache is None:
+            state = (q.new_zeros(*q.shape[:2], q.size(-1), v.size(-1)), q.new_zeros(*q.shape[:2], q.size(-1)))
+            return linear_chunked(q, k, v, self.chunk_size, state)[0].to(dtype)
+        if q.size(2) == 1:
+            y, (cache.S, cache.z) = linear_recurrent(q, k, v, (cache.S, cache.z))
+        else:
+            y, (cache.S, cache.z) = linear_chunked(q, k, v, self.chunk_size, (cache.S, cache.z))
+        return y.to(dtype)
+
+    def init_cache(self, batch_size, capacity, dtype, device):
+        dtype = torch.promote_types(dtype, torch.float32)
+        z = torch.zeros(batch_size, self.n_head, self.head_dim, dtype=dtype, device=device)
+        return StateCache(z.unsqueeze(-1).repeat(1, 1, 1, self.head_dim), z)
+
+
+class MultiHeadLatentAttention(nn.Module):
+    """DeepSeek-V2 MLA. K and V come from a small latent c = norm(W_DKV h), shared by all heads;
+    position comes from a decoupled rope key k_R = RoPE(W_KR h), also shared by all heads, because
+    RoPE cannot be absorbed into W_UK. The cache holds [c | k_R]: d_c + d_R elements per token."""
+
+    def __init__(self, config):
+        super().__init__()
+        H, self.dh, self.dR, self.dc = config.n_head, config.head_dim, config.rope_head_dim, config.kv_lora_rank
+        self.n_head = H
+        q_out = H * (self.dh + self.dR)  # per head: [nope | rope] query
+        if config.q_lora_rank:
+            self.c_q = nn.Sequential(nn.Linear(config.n_embd, config.q_lora_rank, bias=config.bias),
+                                     nn.RMSNorm(config.q_lora_rank, eps=1e-6),
+                                     nn.Linear(config.q_lora_rank, q_out, bias=config.bias))
+        else:
+            self.c_q = nn.Linear(config.n_embd, q_out, bias=config.bias)
+        self.kv_down = nn.Linear(config.n_embd, self.dc + self.dR, bias=config.bias)  # W_DKV and W_KR stacked
+        self.kv_norm = nn.RMSNorm(self.dc, eps=1e-6)
+        self.k_up = nn.Linear(self.dc, H * self.dh, bias=False)  # W_UK; no bias: absorbed at decode
+        self.v_up = nn.Linear(self.dc, H * self.dh, bias=False)  # W_UV; no bias: absorbed at decode
+        self.c_proj = nn.Linear(H * self.dh, config.n_embd, bias=config.bias)
+        self.scale = 1.0 / math.sqrt(self.dh + self.dR)  # on both score terms
+        self.dropout = config.dropout
+        self.resid_dropout = nn.Dropout(config.dropout)
+
+    def forward(self, x, rope, pos, cache=None):
+        B, L, _ = x.size()
+        H, dh, dR, dc = self.n_head, self.dh, self.dR, self.dc
+        q = self.c_q(x).view(B, L, H, dh + dR).transpose(1, 2)      # (B, nh, L, dh + dR)
+        q = torch.cat([q[..., :dh], apply_rope(q[..., dh:], rope)], dim=-1)
+        c, k_rope = self.kv_down(x).unsqueeze(1).split([dc, dR], dim=-1)  # (B, 1, L, dc), (B, 1, L, dR)
+        latent = torch.cat([self.kv_norm(c), apply_rope(k_rope, rope)], dim=-1)  # (B, 1, L, dc + dR)
+        dropout_p = self.dropout if self.training else 0.0
+        if cache is None:  # training: materialize per-head K and V and run ordinary attention
+            k = torch.cat([self.k_up(latent[..., :dc]).view(B, L, H, dh).transpose(1, 2),
+                           latent[..., dc:].expand(B, H, L, dR)], dim=-1)   # (B, nh, L, dh + dR)
+            v = self.v_up(latent[..., :dc]).view(B, L, H, dh).transpose(1, 2)  # (B, nh, L, dh)
+            y = attend(q, k, v, self.scale, dropout_p)                      # (B, nh, L, dh)
+        else:  # decode: W_UK folded into q, attention over cached latents, W_UV after; no K, V formed
+            latent, = cache.update(pos, latent)                             # (B, 1, S, dc + dR)
+            q_lat = torch.einsum('bhld,hdc->bhlc', q[..., :dh], self.k_up.weight.view(H, dh, dc))
+            q = torch.cat([q_lat, q[..., dh:]], dim=-1)                     # (B, nh, L, dc + dR)
+            y = attend(q, latent, latent[..., :dc], self.scale, dropout_p)  # MQA: one key, value = c
+            y = torch.einsum('bhlc,hdc->bhld', y, self.v_up.weight.view(H, dh, dc))  # (B, nh, L, dh)
+        return self.resid_dropout(self.c_proj(y.transpose(1, 2).contiguous().view(B, L, H * dh)))
+
+    def init_cache(self, batch_size, capacity, dtype, device):
+        return KVCache([(batch_size, 1, capacity, self.dc + self.dR)], dtype, device)
+
+
+ATTENTION = {'mha': CausalSelfAttention, 'gqa': CausalSelfAttention, 'mqa': CausalSelfAttention,
+             'mla': MultiHeadLatentAttention, 'linear': LinearAttention}
+
+# ----------------------------------------------------------------------------------------------
+
+
+class MLP(nn.Module):
+
+    def __init__(self, config):
+        super().__init__()
+        self.c_fc = nn.Linear(config.n_embd, 4 * config.n_embd, bias=config.bias)
+        self.gelu = nn.GELU()
+        self.c_proj = nn.Linear(4 * config.n_embd, config.n_embd, bias=config.bias)
+        self.dropout = nn.Dropout(config.dropout)
+
+    def forward(self, x):
+        return self.dropout(self.c_proj(self.gelu(self.c_fc(x))))
+
+
+class Block(nn.Module):
+
+    def __init__(self, config):
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(config.n_embd, bias=config.bias)
+        self.attn = ATTENTION[config.attn](config)
+        self.ln_2 = nn.LayerNorm(config.n_embd, bias=config.bias)
+        self.mlp = MLP(config)
+
+    def forward(self, x, rope, pos, cache=None):
+        x = x + self.attn(self.ln_1(x), rope, pos, cache)
+        x = x + self.mlp(self.ln_2(x))
+        return x
+
+
+class GPT(nn.Module):
+
+    def __init__(self, config):
+        super().__init__()
+        self.config = config
+        self.transformer = nn.ModuleDict(dict(
+            wte=nn.Embedding(config.vocab_size, config.n_embd),
+            drop=nn.Dropout(config.dropout),
+            h=nn.ModuleList([Block(config) for _ in range(config.n_layer)]),
+            ln_f=nn.LayerNorm(config.n_embd, bias=config.bias),
+        ))
+        if config.pos_emb == 'learned':
+            self.transformer.wpe = nn.Embedding(config.block_size, config.n_embd)
+        else:  # one RoPE table, sliced at [pos, pos + L) by every layer
+            rope_dim = config.rope_head_dim if config.attn == 'mla' else config.head_dim
+            cos, sin = rope_table(rope_dim, config.block_size, config.rope_base)
+            self.register_buffer('rope_cos', cos, persistent=False)
+            self.register_buffer('rope_sin', sin, persistent=False)
+        self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
+        self.transformer.wte.weight = self.lm_head.weight  # weight tying
+        self.apply(self._init_weights)
+        for pn, p in self.named_parameters():  # GPT-2: scaled init of the residual projections
+            if pn.endswith('c_proj.weight'):
+                torch.nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * config.n_layer))
+
+    def get_num_params(self, non_embedding=True):
+        n_params = sum(p.numel() for p in self.parameters())
+        if non_embedding and 'wpe' in self.transformer:
+            n_params -= self.transformer.wpe.weight.numel()
+        return n_params
+
+    def _init_weights(self, module):
+        if isinstance(module, nn.Linear):
+            torch.nn.init.normal_(module.weight, mean=0.0, std=0.02)
+            if module.bias is not None:
+                torch.nn.init.zeros_(module.bias)
+        elif isinstance(module, nn.Embedding):
+            torch.nn.init.normal_(module.weight, mean=0.0, std=0.02)
+
+    def rope(self, pos, L):
+        """(cos, sin) for positions [pos, pos + L), or None with learned positions."""
+        return None if self.config.pos_emb == 'learned' else (self.rope_cos[pos:pos + L], self.rope_sin[pos:pos + L])
+
+    def init_cache(self, batch_size, dtype=None, device=None):
+        """An empty cache for batch_size sequences of up to block_size tokens."""
+        p = self.lm_head.weight
+        return Cache([block.attn.init_cache(batch_size, self.config.block_size, dtype or p.dtype, device or p.device)
+                      for block in self.transformer.h])
+
+    def forward(self, idx, targets=None, cache=None):
+        """idx (B, L). Without a cache: tokens at positions 0..L-1. With one: L new tokens continuing
+        from the len(cache) it holds, appended to it; logits for all L positions are returned."""
+        B, L = idx.size()
+        pos = len(cache) if cache is not None else 0
+        if pos + L > self.config.block_size:
+            raise ValueError(f"cannot feed {L} tokens at position {pos}: block_size is {self.config.block_size}")
+        x = self.transformer.wte(idx)  # (B, L, n_embd)
+        if self.config.pos_emb == 'learned':
+            x = x + self.transformer.wpe(torch.arange(pos, pos + L, device=idx.device))
+        x = self.transformer.drop(x)
+        rope = self.rope(pos, L)
+        for i, block in enumerate(self.transformer.h):
+            x = block(x, rope, pos, cache.layers[i] if cache is not None else None)
+        if cache is not None:
+            cache.pos += L  # once, after the last layer
+        x = self.transformer.ln_f(x)
+        if targets is not None:
+            logits = self.lm_head(x)
+            loss = F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1), ignore_index=-1)
+        elif cache is not None:
+            logits, loss = self.lm_head(x), None
+        else:  # inference shortcut: only the last position
+            logits, loss = self.lm_head(x[:, [-1], :]), None
+        return logits, loss
+
+    def configure_optimizers(self, weight_decay, learning_rate, betas, device_type):
+        params = [p for p in self.parameters() if p.requires_grad]
+        decay = [p for p in params if p.dim() >= 2]  # matmul weights and embeddings decay; biases, norms don't
+        nodecay = [p for p in params if p.dim() < 2]
+        groups = [{'params': decay, 'weight_decay': weight_decay}, {'params': nodecay, 'weight_decay': 0.0}]
+        use_fused = 'fused' in inspect.signature(torch.optim.AdamW).parameters and device_type == 'cuda'
+        return torch.optim.AdamW(groups, lr=learning_rate, betas=betas, **(dict(fused=True) if use_fused else {}))
+
+    def estimate_mfu(self, fwdbwd_per_iter, dt, peak_flops=312e12):
+        """Model flops utilization vs peak_flops (A100 bf16 by default); PaLM's 6N + 12 L H Q T per
+        token, which counts attention as MHA's (an approximation for mla and linear)."""
+        N, cfg = self.get_num_params(), self.config
+        flops_per_token = 6 * N + 12 * cfg.n_layer * cfg.n_head * cfg.head_dim * cfg.block_size
+        return flops_per_token * cfg.block_size * fwdbwd_per_iter / dt / peak_flops
+
+    @torch.no_grad()
+    def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None, top_p=None, use_cache=True):
+        """Sample max_new_tokens after idx (B, T). temperature 0 = greedy. The model sees a window of
+        at most block_size tokens; when it is full it slides forward, keeping its last half, and
+        positions restart at 0. Both paths use this window, so with and without the cache the
+        tokens are the same, past block_size too; with the cache a slide costs one re-prefill."""
+        block_size = self.config.block_size
+        start, cache = max(0, idx.size(1) - block_size), None  # idx[:, start:] is the window
+        for _ in range(max_new_tokens):
+            if idx.size(1) - start > block_size:
+                start, cache = idx.size(1) - max(1, block_size // 2), None
+            if use_cache:
+                cache = self.init_cache(idx.size(0)) if cache is None else cache
+                logits, _ = self(idx[:, start + len(cache):], cache=cache)  # prefill, then 1 token a step
+            else:
+                logits, _ = self(idx[:, start:])  # re-run the whole window
+            idx_next = sample(logits[:, -1, :].float(), temperature, top_k, top_p)
+            idx = torch.cat((idx, idx_next), dim=1)
+        return idx
+
+
+def sample(logits, temperature=1.0, top_k=None, top_p=None):
+    """One token per row of logits (B, vocab): greedy at temperature 0, else top-k / nucleus sampling."""
+    if temperature == 0:
+        return logits.argmax(dim=-1, keepdim=True)
+    logits = logits / temperature
+    if top_k is not None:
+        v, _ = torch.topk(logits, min(top_k, logits.size(-1)))
+        logits = logits.masked_fill(logits < v[:, [-1]], -float('inf'))
+    if top_p is not None:  # keep the smallest set of tokens whose probability reaches top_p
+        sorted_logits, order = torch.sort(logits, descending=True)
+        cum = sorted_logits.softmax(-1).cumsum(-1)
+        drop = cum - sorted_logits.softmax(-1) >= top_p  # mass before this token already reaches top_p
+        logits = logits.masked_fill(torch.zeros_like(drop).scatter(1, order, drop), -float('inf'))
+    return torch.multinomial(F.softmax(logits, dim=-1), num_samples=1)

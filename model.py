@@ -219,14 +219,15 @@ def linear_chunked(q, k, v, chunk_size, state, eps=1e-6):
     N = -(-T // C)
     pad = lambda x: F.pad(x, (0, 0, 0, N * C - T)).view(B, H, N, C, x.size(-1))  # zero keys add nothing
     q, k, v = pad(q), pad(k), pad(v)                                            # (B, nh, N, C, hs)
-    kv = k.transpose(-2, -1) @ v                                                # (B, nh, N, hs, hs)
-    S = state[0].unsqueeze(2) + kv.cumsum(2) - kv  # state entering each chunk (exclusive cumsum)
-    z = state[1].unsqueeze(2) + k.sum(3).cumsum(2) - k.sum(3)                    # (B, nh, N, hs)
+    kv, ksum = k.transpose(-2, -1) @ v, k.sum(3)                                 # (B, nh, N, hs, hs), (B, nh, N, hs)
+    # state entering each chunk: an exclusive cumsum (shift, then sum: later chunks never touch it)
+    S = torch.cat([state[0].unsqueeze(2), kv[:, :, :-1]], dim=2).cumsum(2)
+    z = torch.cat([state[1].unsqueeze(2), ksum[:, :, :-1]], dim=2).cumsum(2)
     A = (q @ k.transpose(-2, -1)).tril()                                        # (B, nh, N, C, C)
     num = q @ S + A @ v
     den = (q @ z.unsqueeze(-1)).squeeze(-1) + A.sum(-1)
     out = (num / (den.unsqueeze(-1) + eps)).view(B, H, N * C, -1)[:, :, :T]
-    return out, (state[0] + kv.sum(2), state[1] + k.sum((2, 3)))
+    return out, (S[:, :, -1] + kv[:, :, -1], z[:, :, -1] + ksum[:, :, -1])
 
 
 class LinearAttention(CausalSelfAttention):

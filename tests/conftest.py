@@ -1,0 +1,44 @@
+import os
+import sys
+
+import pytest
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from model import GPT, GPTConfig, ATTN_LAYOUTS  # noqa: E402
+
+torch.set_num_threads(2)
+
+# Tiny but complete: 2 layers, 4 query heads (GQA: 2 K/V heads), head dim 8, MLA d_c 16 / d_R 4.
+TINY = dict(block_size=32, vocab_size=40, n_layer=2, n_head=4, n_embd=32,
+            kv_lora_rank=16, rope_head_dim=4, chunk_size=8)
+
+
+def make_model(attn, dtype=torch.float64, seed=0, **overrides):
+    """A tiny model with fan-in-scaled random weights: GPT-2's 0.02 init makes attention almost
+    uniform, which would let a wrong mask or scale slip through the checks."""
+    torch.manual_seed(seed)
+    model = GPT(GPTConfig(**{**TINY, 'attn': attn, **overrides}))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() == 2:
+                p.normal_(0.0, 1.0 / p.size(1) ** 0.5 if 'wte' not in name and 'wpe' not in name else 1.0)
+            else:
+                p.normal_(1.0 if name.endswith('weight') else 0.0, 0.1)
+    return model.to(dtype).eval()
+
+
+def full_logits(model, idx):
+    """Logits at every position, computed without a cache (the training path)."""
+    return model(idx, targets=idx)[0]
+
+
+def tol(dtype):
+    return dict(atol=1e-10, rtol=0) if dtype == torch.float64 else dict(atol=1e-4, rtol=0)
+
+
+@pytest.fixture(params=ATTN_LAYOUTS)
+def attn(request):
+    return request.param

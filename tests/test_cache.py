@@ -1,0 +1,84 @@
+"""The cache is exact: full forward == token by token == uneven chunks, for every layout."""
+import pytest
+import torch
+
+from conftest import make_model, full_logits, tol
+from model import ATTN_LAYOUTS
+
+VARIANTS = [dict(attn=a) for a in ATTN_LAYOUTS] + [
+    dict(attn='mha', pos_emb='learned'), dict(attn='gqa', pos_emb='learned'),
+    dict(attn='mla', pos_emb='learned'), dict(attn='mla', q_lora_rank=12),
+    dict(attn='linear', pos_emb='learned'), dict(attn='linear', chunk_size=5),
+    dict(attn='mha', bias=True), dict(attn='mla', bias=True)]
+IDS = ['-'.join(f'{k}={v}' for k, v in d.items()) for d in VARIANTS]
+
+
+def cached_logits(model, idx, chunks):
+    cache = model.init_cache(idx.size(0))
+    out, pos = [], 0
+    for n in chunks:
+        logits, _ = model(idx[:, pos:pos + n], cache=cache)
+        assert logits.shape == (idx.size(0), n, model.config.vocab_size)
+        pos += n
+        assert len(cache) == pos  # advances by exactly the tokens fed
+        out.append(logits)
+    return torch.cat(out, dim=1)
+
+
+@pytest.mark.parametrize('dtype', [torch.float64, torch.float32])
+@pytest.mark.parametrize('variant', VARIANTS, ids=IDS)
+def test_full_equals_token_by_token_equals_chunks(variant, dtype):
+    model = make_model(dtype=dtype, **variant)
+    idx = torch.randint(0, model.config.vocab_size, (3, 32))
+    full = full_logits(model, idx)
+    for chunks in ([1] * 32, [5, 1, 3, 7, 16], [32], [2, 30]):
+        torch.testing.assert_close(cached_logits(model, idx, chunks), full, **tol(dtype))
+
+
+def test_last_position_shortcut_and_block_size_limit(attn):
+    model = make_model(attn)
+    idx = torch.randint(0, 40, (2, 32))
+    logits, loss = model(idx)
+    assert logits.shape == (2, 1, 40) and loss is None
+    torch.testing.assert_close(logits[:, 0], full_logits(model, idx)[:, -1], atol=1e-12, rtol=0)
+    with pytest.raises(ValueError, match='block_size'):
+        model(torch.zeros(1, 33, dtype=torch.long))
+    cache = model.init_cache(2)
+    model(idx[:, :30], cache=cache)
+    with pytest.raises(ValueError, match='block_size'):
+        model(idx[:, :3], cache=cache)
+
+
+def test_causality_later_tokens_do_not_change_earlier_logits(attn):
+    model = make_model(attn)
+    idx = torch.randint(0, 40, (2, 32))
+    for t in (0, 7, 20):
+        changed = idx.clone()
+        changed[:, t + 1:] = torch.randint(0, 40, changed[:, t + 1:].shape)
+        assert not torch.equal(changed, idx)
+        a, b = full_logits(model, idx), full_logits(model, changed)
+        assert torch.equal(a[:, :t + 1], b[:, :t + 1])       # bit-identical up to t
+        assert not torch.allclose(a[:, t + 1:], b[:, t + 1:])  # and the check can see a change
+
+
+def test_batch_rows_are_independent(attn):
+    model = make_model(attn)
+    idx = torch.randint(0, 40, (4, 24))
+    batched = full_logits(model, idx)
+    cache = model.init_cache(4)
+    cached = torch.cat([model(idx[:, :10], cache=cache)[0], model(idx[:, 10:], cache=cache)[0]], 1)
+    for b in range(4):
+        torch.testing.assert_close(batched[b], full_logits(model, idx[b:b + 1])[0], atol=1e-12, rtol=0)
+        torch.testing.assert_close(cached[b], batched[b], atol=1e-10, rtol=0)
+
+
+def test_cache_buffers_are_preallocated_not_resized(attn):
+    model = make_model(attn)
+    cache = model.init_cache(2)
+    bufs = lambda: [t for layer in cache.layers for t in (layer.bufs if attn != 'linear' else [layer.S, layer.z])]
+    ptrs = [t.data_ptr() for t in bufs()] if attn != 'linear' else None
+    for _ in range(5):
+        model(torch.randint(0, 40, (2, 3)), cache=cache)
+    if ptrs is not None:
+        assert [t.data_ptr() for t in bufs()] == ptrs
+        assert all(t.size(2) == model.config.block_size for t in bufs())

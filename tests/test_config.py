@@ -1,0 +1,43 @@
+"""A bad config raises ValueError naming the field and what is allowed."""
+import pytest
+
+from model import GPTConfig
+
+BAD = [
+    (dict(attn='flash'), r"attn.*one of \('mha', 'gqa', 'mqa', 'mla', 'linear'\)"),
+    (dict(pos_emb='alibi'), r"pos_emb.*one of \('rope', 'learned'\)"),
+    (dict(n_embd=100, n_head=6), r"n_embd.*divisible by n_head"),
+    (dict(attn='gqa', n_kv_head=4), r"n_kv_head.*divisor of n_head=6.*\[2, 3\]"),
+    (dict(attn='gqa', n_kv_head=6), r"n_kv_head.*\[2, 3\]"),
+    (dict(attn='gqa', n_head=5, n_embd=40), r"n_kv_head.*\[\]"),
+    (dict(attn='mha', n_kv_head=3), r"n_kv_head.*n_head"),
+    (dict(attn='mqa', n_kv_head=2), r"n_kv_head.*== 1"),
+    (dict(attn='mla', n_kv_head=2), r"n_kv_head.*leave it 0"),
+    (dict(n_kv_head=-1), r"n_kv_head.*>= 0"),
+    (dict(attn='mla', rope_head_dim=7), r"rope_head_dim.*even"),
+    (dict(attn='mla', rope_head_dim=0), r"rope_head_dim.*even"),
+    (dict(n_embd=30, n_head=6), r"n_embd.*even for RoPE"),
+    (dict(kv_lora_rank=0), r"kv_lora_rank.*>= 1"),
+    (dict(q_lora_rank=-3), r"q_lora_rank.*>= 0"),
+    (dict(block_size=0), r"block_size.*>= 1"),
+    (dict(n_layer=2.5), r"n_layer.*integer"),
+    (dict(chunk_size=0), r"chunk_size.*>= 1"),
+    (dict(dropout=1.0), r"dropout.*\[0, 1\)"),
+    (dict(rope_base=0.0), r"rope_base.*> 0"),
+]
+
+
+@pytest.mark.parametrize('kwargs,message', BAD, ids=[str(k) for k, _ in BAD])
+def test_bad_config_raises_value_error(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        GPTConfig(**kwargs)
+
+
+def test_layout_defaults_for_n_kv_head():
+    assert GPTConfig(attn='mha').n_kv_head == 6
+    assert GPTConfig(attn='mqa').n_kv_head == 1
+    assert GPTConfig(attn='gqa').n_kv_head == 2          # smallest divisor of 6 above 1
+    assert GPTConfig(attn='gqa', n_kv_head=3).n_kv_head == 3
+    assert GPTConfig(attn='gqa', n_head=32, n_embd=4096, n_kv_head=8).n_kv_head == 8
+    # odd head_dim is fine without RoPE, and learned positions keep MLA's (unrotated) shared key
+    GPTConfig(n_embd=30, n_head=6, pos_emb='learned')

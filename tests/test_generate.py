@@ -1,0 +1,63 @@
+"""generate(): with the cache == without it, greedy and sampled, inside and past block_size."""
+import pytest
+import torch
+
+from conftest import make_model, full_logits
+from model import sample
+
+
+@pytest.mark.parametrize('new_tokens', [20, 90])  # 4 + 90 runs far past block_size = 32
+def test_greedy_with_and_without_cache_identical(attn, new_tokens):
+    model = make_model(attn)
+    prompt = torch.randint(0, 40, (2, 4))
+    a = model.generate(prompt, new_tokens, temperature=0, use_cache=True)
+    b = model.generate(prompt, new_tokens, temperature=0, use_cache=False)
+    assert a.shape == (2, 4 + new_tokens)
+    assert torch.equal(a, b)
+
+
+def test_sampling_same_seed_same_tokens(attn):
+    model = make_model(attn)
+    prompt = torch.randint(0, 40, (3, 5))
+    runs = []
+    for use_cache in (True, False):
+        torch.manual_seed(123)
+        runs.append(model.generate(prompt, 60, temperature=4.0, top_k=20, top_p=0.95, use_cache=use_cache))
+    assert torch.equal(*runs)
+    torch.manual_seed(124)
+    assert not torch.equal(runs[0], model.generate(prompt, 60, temperature=4.0, top_k=20, top_p=0.95))
+
+
+@pytest.mark.parametrize('pos_emb', ['rope', 'learned'])
+def test_window_policy_past_block_size(attn, pos_emb):
+    """The documented policy, written out independently: the model conditions on a window that
+    starts at max(0, prompt - block_size); when the window would exceed block_size it jumps so
+    that its last block_size // 2 tokens remain, and positions restart at 0."""
+    model = make_model(attn, pos_emb=pos_emb)
+    bs = model.config.block_size
+    idx = torch.randint(0, 40, (1, 40))  # a prompt longer than block_size is cropped
+    out = model.generate(idx, 70, temperature=0)
+    seq, start = idx, idx.size(1) - bs
+    for _ in range(70):
+        if seq.size(1) - start > bs:
+            start = seq.size(1) - bs // 2
+        nxt = full_logits(model, seq[:, start:])[:, -1].argmax(-1, keepdim=True)
+        seq = torch.cat([seq, nxt], 1)
+    assert torch.equal(out, seq)
+
+
+def test_sample_top_k_top_p():
+    torch.manual_seed(0)
+    logits = torch.randn(8, 50)
+    greedy = logits.argmax(-1, keepdim=True)
+    assert torch.equal(sample(logits, temperature=0), greedy)
+    assert torch.equal(sample(logits, top_k=1), greedy)
+    assert torch.equal(sample(logits, top_p=1e-6), greedy)
+    draws = torch.cat([sample(logits, top_k=3) for _ in range(200)], 1)
+    top3 = logits.topk(3).indices
+    assert all(set(draws[i].tolist()) <= set(top3[i].tolist()) for i in range(8))
+    assert any(len(set(draws[i].tolist())) > 1 for i in range(8))  # it does sample
+    # nucleus: the kept set is the smallest prefix of sorted tokens whose probability reaches top_p
+    p = torch.tensor([[0.5, 0.3, 0.15, 0.05]]).log()
+    draws = {sample(p, top_p=0.79).item() for _ in range(300)}
+    assert draws == {0, 1}

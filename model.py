@@ -48,21 +48,13 @@ class GPTConfig:
             if not isinstance(getattr(self, f), int) or getattr(self, f) < 0: bad(f, "must be an integer >= 0")
         if not 0.0 <= self.dropout < 1.0: bad('dropout', "must be in [0, 1)")
         if self.n_embd % self.n_head: bad('n_embd', f"must be divisible by n_head={self.n_head}")
-        h = self.n_head
-        divisors = [d for d in range(2, h) if h % d == 0]   # valid GQA K/V head counts
-        if self.attn in ('mla', 'linear'):
-            if self.n_kv_head not in (0, h): bad('n_kv_head', f"only mha/gqa/mqa use it; leave it 0 for attn={self.attn!r}")
-            self.n_kv_head = h
-        elif self.attn == 'mha':
-            if self.n_kv_head not in (0, h): bad('n_kv_head', f"attn='mha' needs n_kv_head == n_head ({h})")
-            self.n_kv_head = h
-        elif self.attn == 'mqa':
-            if self.n_kv_head not in (0, 1): bad('n_kv_head', "attn='mqa' needs n_kv_head == 1")
-            self.n_kv_head = 1
-        elif self.n_kv_head == 0 and divisors:
-            self.n_kv_head = divisors[0]
-        elif self.n_kv_head not in divisors:
-            bad('n_kv_head', f"attn='gqa' needs a divisor of n_head={h} strictly between 1 and {h}: {divisors}")
+        h = self.n_head  # K/V head counts each layout allows; mla and linear have n_head heads, none shared
+        allowed = {'mha': [h], 'mqa': [1], 'gqa': [d for d in range(2, h) if h % d == 0]}.get(self.attn, [h])
+        if self.n_kv_head == 0 and allowed:
+            self.n_kv_head = allowed[0]  # 0 = the layout's default
+        if self.n_kv_head not in allowed:
+            bad('n_kv_head', f"attn={self.attn!r} with n_head={h} allows {allowed} "
+                             "(gqa: a divisor of n_head strictly between 1 and n_head)")
         if self.attn == 'mla' and (self.rope_head_dim < 2 or self.rope_head_dim % 2):
             bad('rope_head_dim', "must be even and >= 2 for attn='mla' (RoPE rotates pairs)")
         if not self.rope_base > 0: bad('rope_base', "must be > 0")
@@ -241,14 +233,14 @@ class LinearAttention(CausalSelfAttention):
 
     def mix(self, q, k, v, rope, pos, cache):
         dtype = v.dtype
-        q, k, v = phi(q), phi(k), v.to(torch.promote_types(dtype, torch.float32))
-        if cache is None:
-            state = (q.new_zeros(*q.shape[:2], q.size(-1), v.size(-1)), q.new_zeros(*q.shape[:2], q.size(-1)))
-            return linear_chunked(q, k, v, self.chunk_size, state)[0].to(dtype)
-        if q.size(2) == 1:
-            y, (cache.S, cache.z) = linear_recurrent(q, k, v, (cache.S, cache.z))
-        else:
-            y, (cache.S, cache.z) = linear_chunked(q, k, v, self.chunk_size, (cache.S, cache.z))
+        q, k = phi(q), phi(k)  # float32 at least, and so are v, the state and the division:
+        v = v.to(q.dtype)      # under 16-bit autocast the denominator would overflow fp16
+        state = self.init_cache(q.size(0), 0, q.dtype, q.device) if cache is None else cache
+        with torch.autocast(q.device.type, enabled=False):
+            if q.size(2) == 1:  # decode: the recurrent form
+                y, (state.S, state.z) = linear_recurrent(q, k, v, (state.S, state.z))
+            else:               # training, prefill: chunkwise-parallel, continuing from the state
+                y, (state.S, state.z) = linear_chunked(q, k, v, self.chunk_size, (state.S, state.z))
         return y.to(dtype)
 
     def init_cache(self, batch_size, capacity, dtype, device):

@@ -84,3 +84,27 @@ def test_model_linear_layer_uses_chunked_and_recurrent_consistently():
     cache = attn.init_cache(2, 32, torch.float64, x.device)
     steps = torch.cat([attn(x[:, :6], None, 0, cache)] + [attn(x[:, t:t + 1], None, t, cache) for t in range(6, 13)], 1)
     torch.testing.assert_close(steps, full, atol=1e-10, rtol=0)
+
+
+def test_state_stays_float32_under_autocast():
+    """Under bf16 autocast the projections run in bf16, but the linear-attention forms must not:
+    the same float32 q, k, v give the same output inside autocast as outside it."""
+    model = make_model('linear', dtype=torch.float32)
+    attn = model.transformer.h[0].attn
+    q, k, v = (torch.randn(2, 4, 40, 8) for _ in range(3))
+    outs, states = [], []
+    for enabled in (False, True):
+        with torch.autocast('cpu', dtype=torch.bfloat16, enabled=enabled):
+            state = attn.init_cache(2, 0, torch.float32, q.device)
+            outs.append(attn.mix(q, k, v, None, 0, state))
+            outs.append(attn.mix(q[:, :, :1], k[:, :, :1], v[:, :, :1], None, 40, state))  # one recurrent step
+            states.append(state)
+    assert states[1].S.dtype == states[1].z.dtype == torch.float32
+    for a, b in zip(outs[:2], outs[2:]):
+        assert rel_err(b, a) < 1e-6
+    idx = torch.randint(0, 40, (2, 20))
+    cache = model.init_cache(2)
+    with torch.autocast('cpu', dtype=torch.bfloat16):
+        logits, _ = model(idx, cache=cache)
+    assert all(layer.S.dtype == torch.float32 for layer in cache.layers)
+    assert rel_err(logits.float(), model(idx, targets=idx)[0]) < 0.05  # bf16 projections only

@@ -1,0 +1,47 @@
+"""nanoGPT parts: tied embeddings, GPT-2 init, optimizer groups, MFU, and that every layout learns."""
+import math
+
+import pytest
+import torch
+
+from model import GPT, GPTConfig
+from conftest import TINY
+
+
+def test_tied_embeddings_and_gpt2_init(attn):
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(**{**TINY, 'attn': attn, 'n_layer': 4, 'n_embd': 64}))
+    assert model.transformer.wte.weight is model.lm_head.weight
+    proj = torch.cat([p.flatten() for n, p in model.named_parameters() if n.endswith('c_proj.weight')])
+    other = torch.cat([p.flatten() for n, p in model.named_parameters() if n.endswith('c_fc.weight')])
+    assert abs(proj.std().item() - 0.02 / math.sqrt(2 * 4)) < 0.001  # scaled residual projections
+    assert abs(other.std().item() - 0.02) < 0.001
+
+
+def test_optimizer_groups_and_mfu(attn):
+    model = GPT(GPTConfig(**{**TINY, 'attn': attn, 'bias': True}))
+    opt = model.configure_optimizers(0.1, 1e-3, (0.9, 0.95), 'cpu')
+    decay, nodecay = opt.param_groups
+    assert decay['weight_decay'] == 0.1 and nodecay['weight_decay'] == 0.0
+    assert all(p.dim() >= 2 for p in decay['params']) and all(p.dim() < 2 for p in nodecay['params'])
+    assert sum(p.numel() for g in opt.param_groups for p in g['params']) == sum(p.numel() for p in model.parameters())
+    assert len(nodecay['params']) > 0
+    mfu = model.estimate_mfu(fwdbwd_per_iter=4, dt=0.5)
+    assert 0 < mfu == pytest.approx((6 * model.get_num_params() + 12 * 2 * 4 * 8 * 32) * 32 * 4 / 0.5 / 312e12)
+
+
+def test_every_layout_learns_a_batch(attn):
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(**{**TINY, 'attn': attn}))
+    x = torch.randint(0, 40, (4, 32))
+    opt = model.configure_optimizers(0.0, 1e-2, (0.9, 0.95), 'cpu')
+    losses = []
+    for _ in range(60):
+        _, loss = model(x[:, :-1], x[:, 1:])
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    assert losses[0] == pytest.approx(math.log(40), rel=0.05)  # starts near uniform
+    assert losses[-1] < 0.5 * losses[0]
+    assert all(p.grad is not None for n, p in model.named_parameters())

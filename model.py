@@ -9,7 +9,7 @@ that attends to S = T + 1 keys. k_j and v_j depend only on tokens <= j, so they 
 
 import math
 import inspect
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn as nn
@@ -36,6 +36,7 @@ class GPTConfig:
     rope_head_dim: int = 32    # MLA d_R: the decoupled rope query/key (paper ratio d_R = head_dim / 2)
     q_lora_rank: int = 0       # MLA query compression; 0 = off (as DeepSeek-V2-Lite)
     chunk_size: int = 64       # linear attention: chunk of the chunkwise-parallel training form
+    match_mha_params: bool = False  # widen/narrow the MLP so the model has MHA's parameter count
 
     def __post_init__(self):
         def bad(field, allowed):
@@ -70,6 +71,12 @@ class GPTConfig:
         per_layer = {'mla': (self.kv_lora_rank + self.rope_head_dim) * T,          # latent + shared rope key
                      'linear': self.n_head * self.head_dim * (self.head_dim + 1)}  # S and z, whatever T
         return self.n_layer * per_layer.get(self.attn, 2 * self.n_kv_head * self.head_dim * T)
+
+    def cache_bytes(self, T, dtype=torch.float32):
+        """Bytes of cache_elements(T) in dtype; linear attention keeps its state in float32 at least."""
+        if self.attn == 'linear':
+            dtype = torch.promote_types(dtype, torch.float32)
+        return self.cache_elements(T) * dtype.itemsize
 
 
 # ----------------------------------------------------------------------------------------------
@@ -305,13 +312,25 @@ ATTENTION = {'mha': CausalSelfAttention, 'gqa': CausalSelfAttention, 'mqa': Caus
 # ----------------------------------------------------------------------------------------------
 
 
+def mlp_hidden(config):
+    """4 * n_embd; with match_mha_params, the width at which the whole model has as many parameters as
+    MHA at the same sizes (the attention blocks are counted on the meta device, nothing allocated)."""
+    if not config.match_mha_params:
+        return 4 * config.n_embd
+    with torch.device('meta'):
+        count = lambda cfg: sum(p.numel() for p in ATTENTION[cfg.attn](cfg).parameters())
+        extra = count(replace(config, attn='mha', n_kv_head=0)) - count(config)
+    return 4 * config.n_embd + round(extra / (2 * config.n_embd + config.bias))  # c_fc row + c_proj column
+
+
 class MLP(nn.Module):
 
     def __init__(self, config):
         super().__init__()
-        self.c_fc = nn.Linear(config.n_embd, 4 * config.n_embd, bias=config.bias)
+        hidden = mlp_hidden(config)
+        self.c_fc = nn.Linear(config.n_embd, hidden, bias=config.bias)
         self.gelu = nn.GELU()
-        self.c_proj = nn.Linear(4 * config.n_embd, config.n_embd, bias=config.bias)
+        self.c_proj = nn.Linear(hidden, config.n_embd, bias=config.bias)
         self.dropout = nn.Dropout(config.dropout)
 
     def forward(self, x):

@@ -45,3 +45,14 @@ def test_every_layout_learns_a_batch(attn):
     assert losses[0] == pytest.approx(math.log(40), rel=0.05)  # starts near uniform
     assert losses[-1] < 0.5 * losses[0]
     assert all(p.grad is not None for n, p in model.named_parameters())
+
+
+@pytest.mark.parametrize('sizes', [dict(), dict(n_layer=4, n_head=4, n_embd=128, block_size=64,
+                                                 kv_lora_rank=128, rope_head_dim=16)])
+def test_match_mha_params(attn, sizes):
+    count = lambda **kw: GPT(GPTConfig(**sizes, **kw)).get_num_params()
+    mha = count(attn='mha')
+    matched = count(attn=attn, match_mha_params=True)
+    assert abs(matched - mha) / mha < 0.005
+    if attn in ('gqa', 'mqa'):  # fewer K/V heads, fewer parameters: the MLP must have grown to match
+        assert count(attn=attn) < 0.95 * mha

@@ -1,0 +1,77 @@
+"""
+nanoGPT-style configuration, with checks:
+
+    python train.py config/gqa.py config/cpu.py --batch_size=32 --attn=mla
+
+Config files (plain Python assignments) run in order over the script's defaults, then --key=value
+overrides. Every key must be one of the defaults and every value must have the default's type
+(an int is accepted for a float). Any mistake: one line on stderr naming it, exit code 2.
+"""
+import ast
+import difflib
+import os
+import sys
+import types
+
+
+def fail(msg):
+    print(f"error: {msg}", file=sys.stderr)
+    sys.exit(2)
+
+
+def check(key, value, config, where):
+    """The value, converted to the default's type, or fail naming the key and the expected type."""
+    if key not in config:
+        close = difflib.get_close_matches(key, list(config), n=1)
+        fail(f"unknown config key {key!r} in {where}" + (f" (did you mean {close[0]!r}?)" if close else ""))
+    default = config[key]
+    kind = type(default)
+    if kind is float and type(value) is int:
+        value = float(value)
+    if type(value) is not kind:
+        fail(f"{where}: {key}={value!r} should be {kind.__name__} like the default {default!r}, "
+             f"not {type(value).__name__}")
+    return value
+
+
+def parse_value(text, default):
+    if isinstance(default, str):
+        return text  # strings need no quotes: --attn=mla
+    if isinstance(default, bool) and text.lower() in ('true', 'false'):
+        return text.lower() == 'true'
+    try:
+        return ast.literal_eval(text)
+    except (ValueError, SyntaxError):
+        return text  # reported as a wrong type by check()
+
+
+def configure(config, argv):
+    """config: {key: default}. Returns a new dict with config files and overrides applied."""
+    config = dict(config)
+    for arg in argv:
+        if not arg.startswith('--'):
+            if not arg.endswith('.py'):
+                fail(f"unexpected argument {arg!r}: give config files (*.py) and --key=value overrides")
+            if not os.path.isfile(arg):
+                fail(f"config file {arg!r} not found")
+            scope = dict(config)
+            try:
+                with open(arg) as f:
+                    exec(compile(f.read(), arg, 'exec'), {}, scope)
+            except Exception as e:
+                fail(f"config file {arg!r} failed: {type(e).__name__}: {e}")
+            for key, value in scope.items():
+                if key.startswith('_') or isinstance(value, types.ModuleType):
+                    continue  # helpers a config file may import
+                if key not in config or value is not config[key]:
+                    config[key] = check(key, value, config, arg)
+        else:
+            key, eq, text = arg[2:].partition('=')
+            if not eq:
+                if isinstance(config.get(key), bool):
+                    text = 'True'  # --flag alone means True
+                else:
+                    fail(f"{arg!r} needs a value: write --{key}=VALUE" if key in config else
+                         f"unknown config key {key!r}")
+            config[key] = check(key, parse_value(text, config.get(key)), config, f"--{key}")
+    return config

@@ -1,0 +1,80 @@
+"""What both tiny Shakespeare prepare scripts share: find the text, split it 90/10, write the .bin files."""
+import json
+import os
+import urllib.request
+
+import numpy as np
+
+URL = 'https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt'
+ENV = 'SHAKESPEARE_PATH'
+
+
+class PrepareError(Exception):
+    """A problem the user can fix; the scripts print it as one line and exit non-zero."""
+
+
+def read_text(input_path=None, download_to=None):
+    """The tiny Shakespeare text from input_path, else $SHAKESPEARE_PATH, else a previous download
+    at download_to, else downloaded there."""
+    path = input_path or os.environ.get(ENV)
+    if path:
+        if not os.path.isfile(path):
+            raise PrepareError(f"no text file at {path!r} (from {'--input' if input_path else '$' + ENV})")
+    elif download_to and os.path.isfile(download_to):
+        path = download_to
+    else:
+        try:
+            with urllib.request.urlopen(URL, timeout=15) as r:
+                text = r.read().decode('utf-8')
+        except (OSError, ValueError) as e:
+            raise PrepareError(f"could not download tiny Shakespeare ({e}); offline? point {ENV}=PATH "
+                               f"(or prepare.py --input PATH) at a local input.txt") from None
+        if download_to:
+            with open(download_to, 'w', encoding='utf-8') as f:
+                f.write(text)
+        return text
+    try:
+        with open(path, encoding='utf-8') as f:
+            text = f.read()
+    except (OSError, UnicodeDecodeError) as e:
+        raise PrepareError(f"cannot read {path!r}: {e}") from None
+    if not text:
+        raise PrepareError(f"{path!r} is empty")
+    return text
+
+
+def split(text, train_fraction=0.9):
+    """First 90% of the characters for training, the last 10% for validation (as nanoGPT)."""
+    n = int(len(text) * train_fraction)
+    return text[:n], text[n:]
+
+
+def save(out_dir, train_ids, val_ids, meta):
+    """train.bin / val.bin as uint16 token ids and meta.json, each written to a temp file then renamed."""
+    os.makedirs(out_dir, exist_ok=True)
+    if meta['vocab_size'] > 2 ** 16:
+        raise PrepareError(f"vocab_size {meta['vocab_size']} does not fit uint16")
+    for name, ids in (('train.bin', train_ids), ('val.bin', val_ids)):
+        tmp = os.path.join(out_dir, name + '.tmp')
+        np.asarray(ids, dtype=np.uint16).tofile(tmp)
+        os.replace(tmp, os.path.join(out_dir, name))
+    tmp = os.path.join(out_dir, 'meta.json.tmp')
+    with open(tmp, 'w', encoding='utf-8') as f:
+        json.dump(meta, f, ensure_ascii=False)
+    os.replace(tmp, os.path.join(out_dir, 'meta.json'))
+    print(f"{out_dir}: train {len(train_ids):,} tokens, val {len(val_ids):,} tokens, vocab {meta['vocab_size']:,}")
+
+
+def cli(prepare, description):
+    """argparse for a prepare script: --input PATH, --out_dir DIR; errors as one line, exit 1."""
+    import argparse
+    import sys
+    here = os.path.dirname(os.path.abspath(sys.argv[0]))
+    p = argparse.ArgumentParser(description=description)
+    p.add_argument('--input', help=f'local input.txt (default: ${ENV}, else download)')
+    p.add_argument('--out_dir', default=here, help='where train.bin, val.bin, meta.json go (default: beside this script)')
+    args = p.parse_args()
+    try:
+        prepare(args.out_dir, args.input)
+    except PrepareError as e:
+        sys.exit(f"error: {e}")

@@ -1,0 +1,309 @@
+"""
+Train one attention layout on tiny Shakespeare (nanoGPT's train.py, one layout switch more).
+
+    python train.py config/gqa.py                                # baby GPT, GQA
+    python train.py config/mla.py config/cpu.py                  # nanoGPT's CPU recipe, any layout
+    python train.py config/mha.py --batch_size=32 --wandb_log=True
+    torchrun --standalone --nproc_per_node=2 train.py config/gqa.py config/cpu.py --gradient_accumulation_steps=2
+
+Every key below can be set by a config file or --key=value (see configurator.py).
+"""
+
+import hashlib
+import importlib.util
+import json
+import math
+import os
+import sys
+import time
+from contextlib import nullcontext
+from dataclasses import asdict, fields
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from configurator import configure, fail
+from model import GPT, GPTConfig
+
+# -----------------------------------------------------------------------------
+# defaults: nanoGPT's baby GPT on shakespeare_char
+# I/O
+out_dir = 'out'
+eval_interval = 250
+log_interval = 10
+eval_iters = 200
+eval_only = False
+always_save_checkpoint = False  # else only when val loss improves
+init_from = 'scratch'           # 'scratch' or 'resume' (from out_dir/ckpt.pt)
+# logging
+wandb_log = False
+wandb_project = 'attention-layouts'
+wandb_run_name = ''             # '' = <attn>-<time>; the layout is always in the name
+wandb_mode = ''                 # online / offline / disabled; '' = $WANDB_MODE, else offline without credentials
+# data
+dataset = 'shakespeare_char'
+data_dir = ''                   # '' = data/<dataset>; prepared on first use if train.bin is missing
+gradient_accumulation_steps = 1  # in total, over all DDP processes
+batch_size = 64
+block_size = 256
+# model (GPTConfig's fields)
+n_layer = 6
+n_head = 6
+n_embd = 384
+dropout = 0.2
+bias = False
+attn = 'mha'
+n_kv_head = 0
+pos_emb = 'rope'
+rope_base = 10000.0
+kv_lora_rank = 256
+rope_head_dim = 32
+q_lora_rank = 0
+chunk_size = 64
+match_mha_params = False
+# AdamW and the learning-rate schedule (linear warmup, cosine decay to min_lr)
+learning_rate = 1e-3
+max_iters = 5000
+weight_decay = 1e-1
+beta1 = 0.9
+beta2 = 0.99
+grad_clip = 1.0                 # 0 = off
+decay_lr = True
+warmup_iters = 100
+lr_decay_iters = 5000
+min_lr = 1e-4
+# system
+device = 'cuda' if torch.cuda.is_available() else 'cpu'
+dtype = 'bfloat16' if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else 'float16' if torch.cuda.is_available() else 'float32'
+compile = False
+backend = ''                    # '' = nccl on CUDA, gloo on CPU
+seed = 1337
+# -----------------------------------------------------------------------------
+config_keys = [k for k, v in globals().items() if not k.startswith('_') and isinstance(v, (int, float, bool, str))
+               and k not in ('config_keys',)]
+config = configure({k: globals()[k] for k in config_keys}, sys.argv[1:])
+globals().update(config)
+model_keys = [f.name for f in fields(GPTConfig) if f.name != 'vocab_size']
+# -----------------------------------------------------------------------------
+
+if init_from not in ('scratch', 'resume'):
+    fail(f"init_from={init_from!r} should be 'scratch' or 'resume'")
+if dtype not in ('float32', 'bfloat16', 'float16'):
+    fail(f"dtype={dtype!r} should be one of float32, bfloat16, float16")
+if device.startswith('cuda') and not torch.cuda.is_available():
+    fail(f"device={device!r} but CUDA is not available here; use --device=cpu")
+
+# DDP: one process per device, launched by torchrun
+ddp = int(os.environ.get('RANK', -1)) != -1
+if ddp:
+    dist.init_process_group(backend=backend or ('nccl' if device.startswith('cuda') else 'gloo'))
+    ddp_rank, ddp_local_rank, ddp_world_size = dist.get_rank(), int(os.environ['LOCAL_RANK']), dist.get_world_size()
+    if device.startswith('cuda'):
+        device = f'cuda:{ddp_local_rank}'
+        torch.cuda.set_device(device)
+    master_process = ddp_rank == 0  # logs and checkpoints
+    if gradient_accumulation_steps % ddp_world_size:
+        fail(f"gradient_accumulation_steps={gradient_accumulation_steps} must be a multiple of the "
+             f"{ddp_world_size} DDP processes")
+    gradient_accumulation_steps //= ddp_world_size
+else:
+    ddp_rank, ddp_world_size, master_process = 0, 1, True
+tokens_per_iter = gradient_accumulation_steps * ddp_world_size * batch_size * block_size
+if master_process:
+    print(f"tokens per iteration will be: {tokens_per_iter:,}")
+    os.makedirs(out_dir, exist_ok=True)
+torch.manual_seed(seed + ddp_rank)
+torch.backends.cuda.matmul.allow_tf32 = True
+torch.backends.cudnn.allow_tf32 = True
+device_type = 'cuda' if 'cuda' in device else 'cpu'
+ptdtype = {'float32': torch.float32, 'bfloat16': torch.bfloat16, 'float16': torch.float16}[dtype]
+ctx = nullcontext() if device_type == 'cpu' else torch.autocast(device_type=device_type, dtype=ptdtype)
+
+# data: uint16 token ids; the memmap is re-opened for every batch (a kept one grows memory)
+data_dir = data_dir or os.path.join(os.path.dirname(os.path.abspath(__file__)), 'data', dataset)
+if not os.path.exists(os.path.join(data_dir, 'train.bin')) and master_process:
+    script = os.path.join(os.path.dirname(os.path.abspath(__file__)), 'data', dataset, 'prepare.py')
+    if not os.path.isfile(script):
+        fail(f"no {data_dir}/train.bin and no data/{dataset}/prepare.py to make it; dataset={dataset!r} is unknown")
+    print(f"preparing {dataset} into {data_dir} (set SHAKESPEARE_PATH to use a local input.txt)")
+    spec = importlib.util.spec_from_file_location('prepare', script)
+    prepare = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(prepare)
+    from data.common import PrepareError
+    try:
+        prepare.prepare(data_dir)
+    except PrepareError as e:
+        fail(str(e))
+if ddp:
+    dist.barrier()  # the other ranks wait for rank 0 to prepare the data
+with open(os.path.join(data_dir, 'meta.json'), encoding='utf-8') as f:
+    meta = json.load(f)
+batch_gen = torch.Generator().manual_seed(seed + ddp_rank)  # the data order depends only on the seed
+
+
+def get_batch(split, generator):
+    data = np.memmap(os.path.join(data_dir, f'{split}.bin'), dtype=np.uint16, mode='r')
+    ix = torch.randint(len(data) - block_size, (batch_size,), generator=generator)
+    x = torch.stack([torch.from_numpy(data[i:i + block_size].astype(np.int64)) for i in ix])
+    y = torch.stack([torch.from_numpy(data[i + 1:i + 1 + block_size].astype(np.int64)) for i in ix])
+    if device_type == 'cuda':
+        return x.pin_memory().to(device, non_blocking=True), y.pin_memory().to(device, non_blocking=True)
+    return x.to(device), y.to(device)
+
+
+# model
+iter_num, best_val_loss = 0, 1e9
+model_args = {k: config[k] for k in model_keys}
+if init_from == 'resume':
+    ckpt_path = os.path.join(out_dir, 'ckpt.pt')
+    if not os.path.isfile(ckpt_path):
+        fail(f"init_from='resume' but there is no checkpoint at {ckpt_path}")
+    checkpoint = torch.load(ckpt_path, map_location=device, weights_only=True)
+    model_args = {k: checkpoint['model_args'][k] for k in model_keys}  # the checkpoint's shape wins
+    iter_num, best_val_loss = checkpoint['iter_num'], checkpoint['best_val_loss']
+try:
+    gptconf = GPTConfig(vocab_size=meta['vocab_size'], **model_args)
+except ValueError as e:
+    fail(str(e))
+model = GPT(gptconf)
+if init_from == 'resume':
+    model.load_state_dict({k.removeprefix('_orig_mod.'): v for k, v in checkpoint['model'].items()})
+model.to(device)
+scaler = torch.amp.GradScaler(device_type, enabled=(dtype == 'float16' and device_type == 'cuda'))
+optimizer = model.configure_optimizers(weight_decay, learning_rate, (beta1, beta2), device_type)
+if init_from == 'resume':
+    optimizer.load_state_dict(checkpoint['optimizer'])
+    batch_gen.set_state(checkpoint['batch_gen'])
+    torch.set_rng_state(checkpoint['torch_rng'])
+    checkpoint = None
+raw_model = model
+if compile:
+    model = torch.compile(model)
+if ddp:
+    model = DDP(model, device_ids=[ddp_local_rank] if device_type == 'cuda' else None)
+cache_bytes_per_token = gptconf.cache_bytes(block_size, ptdtype) / block_size  # at block_size, inference dtype
+if master_process:
+    print(f"{gptconf.attn}: {raw_model.get_num_params() / 1e6:.2f}M parameters, "
+          f"KV cache {cache_bytes_per_token:,.0f} bytes/token at block_size {block_size} ({dtype})")
+
+
+@torch.no_grad()
+def estimate_loss():
+    """Mean loss over eval_iters batches of each split; the same batches at every evaluation."""
+    out = {}
+    model.eval()
+    for split in ('train', 'val'):
+        gen = torch.Generator().manual_seed(seed + 1000 * (split == 'val'))
+        losses = torch.zeros(eval_iters)
+        for k in range(eval_iters):
+            X, Y = get_batch(split, gen)
+            with ctx:
+                _, loss = model(X, Y)
+            losses[k] = loss.item()
+        out[split] = losses.mean().item()
+    model.train()
+    return out
+
+
+def get_lr(it):
+    if it < warmup_iters:
+        return learning_rate * (it + 1) / (warmup_iters + 1)
+    if it > lr_decay_iters:
+        return min_lr
+    decay_ratio = (it - warmup_iters) / max(1, lr_decay_iters - warmup_iters)
+    return min_lr + 0.5 * (1.0 + math.cos(math.pi * decay_ratio)) * (learning_rate - min_lr)
+
+
+def save_checkpoint():
+    """Written to a temp file in out_dir, flushed to disk, then renamed: a crash never leaves half a file."""
+    ckpt = {'model': raw_model.state_dict(), 'optimizer': optimizer.state_dict(), 'model_args': asdict(gptconf),
+            'iter_num': iter_num, 'best_val_loss': best_val_loss, 'config': config,
+            'batch_gen': batch_gen.get_state(), 'torch_rng': torch.get_rng_state()}
+    path = os.path.join(out_dir, 'ckpt.pt')
+    with open(path + '.tmp', 'wb') as f:
+        torch.save(ckpt, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(path + '.tmp', path)
+    print(f"saving checkpoint to {out_dir}")
+
+
+def log(row):
+    """One row to out_dir/metrics.jsonl and, with wandb_log, to Weights & Biases."""
+    with open(os.path.join(out_dir, 'metrics.jsonl'), 'a') as f:
+        f.write(json.dumps(row) + '\n')
+    if wandb_log:
+        wandb.log(row, step=row['iter'])
+
+
+if wandb_log and master_process:
+    mode = wandb_mode or os.environ.get('WANDB_MODE') or ('online' if os.environ.get('WANDB_API_KEY') else 'offline')
+    if mode not in ('online', 'offline', 'disabled'):
+        fail(f"wandb_mode={mode!r} should be online, offline or disabled")
+    import wandb
+    name = wandb_run_name or f"{attn}-{time.strftime('%Y%m%d-%H%M%S')}"
+    wandb.init(project=wandb_project, name=name if attn in name else f"{attn}-{name}", config=config,
+               mode=mode, dir=out_dir)
+
+# training loop
+X, Y = get_batch('train', batch_gen)
+t0 = time.time()
+local_iter_num, running_mfu = 0, -1.0
+while True:
+    lr = get_lr(iter_num) if decay_lr else learning_rate
+    for param_group in optimizer.param_groups:
+        param_group['lr'] = lr
+
+    if iter_num % eval_interval == 0 and master_process:
+        losses = estimate_loss()
+        print(f"step {iter_num}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f}")
+        log({'iter': iter_num, 'train/loss': losses['train'], 'val/loss': losses['val'], 'lr': lr,
+             'cache_bytes_per_token': cache_bytes_per_token})
+        if losses['val'] < best_val_loss or always_save_checkpoint:
+            best_val_loss = min(best_val_loss, losses['val'])
+            if iter_num > 0:
+                save_checkpoint()
+    if iter_num == 0 and eval_only:
+        break
+
+    for micro_step in range(gradient_accumulation_steps):
+        if ddp:  # sync gradients only at the last micro step
+            model.require_backward_grad_sync = (micro_step == gradient_accumulation_steps - 1)
+        with ctx:
+            logits, loss = model(X, Y)
+            loss = loss / gradient_accumulation_steps
+        X, Y = get_batch('train', batch_gen)  # prefetch the next batch while the GPU works
+        scaler.scale(loss).backward()
+    if grad_clip != 0.0:
+        scaler.unscale_(optimizer)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
+    scaler.step(optimizer)
+    scaler.update()
+    optimizer.zero_grad(set_to_none=True)
+
+    t1 = time.time()
+    dt, t0 = t1 - t0, t1
+    if iter_num % log_interval == 0 and master_process:
+        lossf = loss.item() * gradient_accumulation_steps
+        if not math.isfinite(lossf):
+            fail(f"loss is {lossf} at iteration {iter_num}; the last good checkpoint in {out_dir} is kept")
+        if local_iter_num >= 5:  # let the loop settle before measuring
+            mfu = raw_model.estimate_mfu(batch_size * gradient_accumulation_steps, dt)
+            running_mfu = mfu if running_mfu == -1.0 else 0.9 * running_mfu + 0.1 * mfu
+        print(f"iter {iter_num}: loss {lossf:.4f}, time {dt * 1000:.2f}ms, {tokens_per_iter / dt:,.0f} tok/s, "
+              f"mfu {running_mfu * 100:.2f}%")
+        log({'iter': iter_num, 'train/batch_loss': lossf, 'lr': lr, 'ms_per_iter': dt * 1000,
+             'tokens_per_sec': tokens_per_iter / dt, 'mfu': running_mfu * 100})
+    iter_num += 1
+    local_iter_num += 1
+    if iter_num > max_iters:
+        break
+
+if ddp:  # every rank must end with the same weights
+    digest = hashlib.sha256(b''.join(p.detach().cpu().numpy().tobytes() for p in raw_model.parameters()))
+    print(f"rank {ddp_rank}: weights sha256 {digest.hexdigest()[:16]}")
+    dist.destroy_process_group()
+if wandb_log and master_process:
+    wandb.finish()

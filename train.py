@@ -13,6 +13,7 @@ import hashlib
 import importlib.util
 import json
 import math
+import netrc
 import os
 import sys
 import time
@@ -94,6 +95,10 @@ if dtype not in ('float32', 'bfloat16', 'float16'):
     fail(f"dtype={dtype!r} should be one of float32, bfloat16, float16")
 if device.startswith('cuda') and not torch.cuda.is_available():
     fail(f"device={device!r} but CUDA is not available here; use --device=cpu")
+try:
+    GPTConfig(**{k: config[k] for k in model_keys})  # check the model's fields before any work
+except ValueError as e:
+    fail(str(e))
 
 # DDP: one process per device, launched by torchrun
 ddp = int(os.environ.get('RANK', -1)) != -1
@@ -238,10 +243,21 @@ def log(row):
         wandb.log(row, step=row['iter'])
 
 
+def wandb_credentials():
+    """An API key in the environment or from `wandb login` (~/.netrc); without one W&B would prompt."""
+    if os.environ.get('WANDB_API_KEY'):
+        return True
+    try:
+        return netrc.netrc().authenticators('api.wandb.ai') is not None
+    except (OSError, netrc.NetrcParseError):
+        return False
+
+
 if wandb_log and master_process:
-    mode = wandb_mode or os.environ.get('WANDB_MODE') or ('online' if os.environ.get('WANDB_API_KEY') else 'offline')
+    mode = wandb_mode or os.environ.get('WANDB_MODE') or ('online' if wandb_credentials() else 'offline')
     if mode not in ('online', 'offline', 'disabled'):
         fail(f"wandb_mode={mode!r} should be online, offline or disabled")
+    os.environ['WANDB_MODE'] = mode  # decided before init: wandb must never prompt or wait for a network
     import wandb
     name = wandb_run_name or f"{attn}-{time.strftime('%Y%m%d-%H%M%S')}"
     wandb.init(project=wandb_project, name=name if attn in name else f"{attn}-{name}", config=config,

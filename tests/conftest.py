@@ -42,3 +42,17 @@ def tol(dtype):
 @pytest.fixture(params=ATTN_LAYOUTS)
 def attn(request):
     return request.param
+
+
+SHAKESPEARE = os.environ.get('SHAKESPEARE_PATH') or os.path.join(ROOT, '..', 'shared', 'data', 'tinyshakespeare',
+                                                                  'input.txt')
+
+
+@pytest.fixture(scope='session')
+def char_data(tmp_path_factory):
+    """tiny Shakespeare prepared at the char level once per test session, in a temp folder."""
+    assert os.path.isfile(SHAKESPEARE), f"tests need the tiny Shakespeare text at {SHAKESPEARE} (or $SHAKESPEARE_PATH)"
+    from data.shakespeare_char.prepare import prepare
+    out = tmp_path_factory.mktemp('shakespeare_char')
+    prepare(str(out), SHAKESPEARE)
+    return str(out)

@@ -1,0 +1,58 @@
+"""Config files in order, then --key=value, type-checked; mistakes are one line and exit 2."""
+import subprocess
+import sys
+
+import pytest
+
+from conftest import ROOT
+from configurator import configure
+
+DEFAULTS = {'batch_size': 64, 'learning_rate': 1e-3, 'attn': 'mha', 'compile': False, 'n_kv_head': 0}
+
+
+def test_files_in_order_then_overrides(tmp_path):
+    a, b = tmp_path / 'a.py', tmp_path / 'b.py'
+    a.write_text("import math\nbatch_size = 8\nattn = 'gqa'\n")
+    b.write_text("batch_size = batch_size * 2\nlearning_rate = 3e-4\n")  # sees a.py's values
+    cfg = configure(DEFAULTS, [str(a), str(b), '--attn=mla', '--learning_rate=1', '--compile'])
+    assert cfg == {'batch_size': 16, 'learning_rate': 1.0, 'attn': 'mla', 'compile': True, 'n_kv_head': 0}
+    assert configure(DEFAULTS, ['--compile=false'])['compile'] is False
+    assert DEFAULTS['batch_size'] == 64  # the defaults are not modified
+
+
+@pytest.mark.parametrize('argv,message', [
+    (['--batchsize=3'], "unknown config key 'batchsize' in --batchsize (did you mean 'batch_size'?)"),
+    (['--batch_size=3.5'], "--batch_size: batch_size=3.5 should be int like the default 64, not float"),
+    (['--batch_size', '32'], "'--batch_size' needs a value: write --batch_size=VALUE"),
+    (['--learning_rate=fast'], "--learning_rate: learning_rate='fast' should be float like the default 0.001, not str"),
+    (['--compile=yes'], "--compile: compile='yes' should be bool like the default False, not str"),
+    (['config/nope.py'], "config file 'config/nope.py' not found"),
+    (['gqa'], "unexpected argument 'gqa': give config files (*.py) and --key=value overrides"),
+])
+def test_mistakes_are_one_clear_line(argv, message, capsys):
+    with pytest.raises(SystemExit) as e:
+        configure(DEFAULTS, argv)
+    assert e.value.code == 2
+    assert capsys.readouterr().err == f"error: {message}\n"
+
+
+def test_unknown_key_in_a_config_file(tmp_path, capsys):
+    f = tmp_path / 'c.py'
+    f.write_text("atn = 'mla'\n")
+    with pytest.raises(SystemExit):
+        configure(DEFAULTS, [str(f)])
+    assert capsys.readouterr().err == f"error: unknown config key 'atn' in {f} (did you mean 'attn'?)\n"
+
+
+@pytest.mark.parametrize('args,message', [
+    (['--n_layr=2'], "unknown config key 'n_layr' in --n_layr (did you mean 'n_layer'?)"),
+    (['--attn=flash'], "GPTConfig.attn='flash' is invalid: must be one of ('mha', 'gqa', 'mqa', 'mla', 'linear')"),
+    (['--n_kv_head=4', '--attn=gqa'], "GPTConfig.n_kv_head=4 is invalid"),
+    (['--init_from=gpt2'], "init_from='gpt2' should be 'scratch' or 'resume'"),
+])
+def test_train_py_bad_input_exits_with_one_line(tmp_path, args, message, char_data):
+    r = subprocess.run([sys.executable, 'train.py', 'config/cpu.py', f'--out_dir={tmp_path}/out',
+                        f'--data_dir={char_data}', *args], cwd=ROOT, capture_output=True, text=True)
+    assert r.returncode == 2, r.stderr
+    assert message in r.stderr and 'Traceback' not in r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1

@@ -1,0 +1,64 @@
+"""Dataset preparation on the shared text; BPE with a tiktoken.Encoding built here (no download)."""
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import tiktoken
+
+from conftest import ROOT, SHAKESPEARE
+from data import common
+from data.shakespeare.prepare import prepare as prepare_bpe
+
+
+def test_char_prepare_matches_nanogpt(char_data):
+    meta = json.load(open(os.path.join(char_data, 'meta.json'), encoding='utf-8'))
+    train = np.fromfile(os.path.join(char_data, 'train.bin'), dtype=np.uint16)
+    val = np.fromfile(os.path.join(char_data, 'val.bin'), dtype=np.uint16)
+    assert meta['vocab_size'] == 65 == len(meta['itos'])
+    assert (len(train), len(val)) == (1_003_854, 111_540)
+    text = open(SHAKESPEARE, encoding='utf-8').read()
+    decoded = ''.join(meta['itos'][i] for i in np.concatenate([train, val]))
+    assert decoded == text  # lossless, in order, nothing dropped at the split
+    assert meta['itos'] == sorted(meta['itos'])
+
+
+def small_gpt2_like_encoding():
+    """Byte-level BPE with GPT-2's split pattern and three merges: enough to test the pipeline offline."""
+    ranks = {bytes([i]): i for i in range(256)}
+    for merge in (b'th', b'the', b' the'):
+        ranks[merge] = len(ranks)
+    pat = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
+    return tiktoken.Encoding(name='test-bpe', pat_str=pat, mergeable_ranks=ranks, special_tokens={})
+
+
+def test_bpe_prepare_with_a_local_encoding(tmp_path):
+    enc = small_gpt2_like_encoding()
+    prepare_bpe(str(tmp_path), SHAKESPEARE, enc=enc)
+    meta = json.load(open(tmp_path / 'meta.json'))
+    assert meta == {'kind': 'tiktoken', 'encoding': 'test-bpe', 'vocab_size': 259}
+    train = np.fromfile(tmp_path / 'train.bin', dtype=np.uint16)
+    val = np.fromfile(tmp_path / 'val.bin', dtype=np.uint16)
+    text = open(SHAKESPEARE, encoding='utf-8').read()
+    n = int(len(text) * 0.9)
+    assert enc.decode(train.tolist()) == text[:n] and enc.decode(val.tolist()) == text[n:]
+    assert len(train) < n and 258 in train  # the merges were used
+
+
+def test_offline_without_a_local_copy_says_how(tmp_path, monkeypatch):
+    monkeypatch.delenv(common.ENV, raising=False)
+    monkeypatch.setattr(common, 'URL', 'http://127.0.0.1:9/input.txt')  # nothing listens there
+    with pytest.raises(common.PrepareError, match='SHAKESPEARE_PATH=PATH'):
+        common.read_text(None, download_to=str(tmp_path / 'input.txt'))
+
+
+@pytest.mark.parametrize('args,message', [
+    (['--input', '/no/such/file.txt'], "no text file at '/no/such/file.txt' (from --input)"),
+])
+def test_prepare_script_bad_input_is_one_line(tmp_path, args, message):
+    r = subprocess.run([sys.executable, 'data/shakespeare_char/prepare.py', '--out_dir', str(tmp_path), *args],
+                       cwd=ROOT, capture_output=True, text=True)
+    assert r.returncode == 1 and r.stderr.strip() == f"error: {message}"
+    assert os.listdir(tmp_path) == []

@@ -1,0 +1,105 @@
+"""train.py end to end on tiny models: every layout learns, resume continues, W&B offline read-back,
+metrics.jsonl, and DDP with 2 CPU processes."""
+import json
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from conftest import ROOT
+
+TINY = ['config/cpu.py', '--n_layer=2', '--n_head=4', '--n_embd=64', '--block_size=32', '--batch_size=8',
+        '--eval_iters=5', '--log_interval=5', '--learning_rate=3e-3', '--warmup_iters=5']
+
+
+def train(tmp_path, data_dir, *args, env=None, launcher=(sys.executable,)):
+    r = subprocess.run([*launcher, 'train.py', *TINY, f'--out_dir={tmp_path}', f'--data_dir={data_dir}', *args],
+                       cwd=ROOT, capture_output=True, text=True, timeout=300, env=environ(env))
+    assert r.returncode == 0, r.stderr[-3000:]
+    return r
+
+
+def environ(changes):
+    env = {**os.environ, **(changes or {})}
+    return {k: v for k, v in env.items() if v is not None}  # None removes a variable
+
+
+def metrics(out_dir):
+    with open(os.path.join(out_dir, 'metrics.jsonl')) as f:
+        return [json.loads(line) for line in f]
+
+
+@pytest.mark.parametrize('attn', ['mha', 'gqa', 'mqa', 'mla', 'linear'])
+def test_30_iterations_per_layout_loss_falls(tmp_path, char_data, attn):
+    train(tmp_path, char_data, f'--attn={attn}', '--max_iters=30', '--eval_interval=15')
+    evals = [m for m in metrics(tmp_path) if 'val/loss' in m]
+    assert [m['iter'] for m in evals] == [0, 15, 30]
+    assert evals[-1]['val/loss'] < evals[0]['val/loss'] - 0.5
+    assert evals[-1]['train/loss'] < evals[0]['train/loss'] - 0.5
+    ckpt = torch.load(tmp_path / 'ckpt.pt', weights_only=True)
+    assert ckpt['model_args']['attn'] == attn and ckpt['iter_num'] == 30
+    cfg = ckpt['model_args']
+    expected = {'mha': 2 * 2 * 4 * 16, 'gqa': 2 * 2 * 2 * 16, 'mqa': 2 * 2 * 1 * 16, 'mla': (128 + 16) * 2}
+    if attn in expected:  # bytes per token at fp32, from the table
+        assert evals[0]['cache_bytes_per_token'] == expected[attn] * 4
+    else:
+        assert evals[0]['cache_bytes_per_token'] == 2 * 4 * 16 * 17 * 4 / cfg['block_size']
+
+
+def test_resume_continues_from_the_saved_iteration(tmp_path, char_data):
+    train(tmp_path, char_data, '--max_iters=20', '--eval_interval=10', '--always_save_checkpoint=True')
+    assert torch.load(tmp_path / 'ckpt.pt', weights_only=True)['iter_num'] == 20
+    first = metrics(tmp_path)
+    r = train(tmp_path, char_data, '--max_iters=40', '--eval_interval=10', '--init_from=resume',
+              '--always_save_checkpoint=True')
+    assert 'step 20:' in r.stdout and 'step 0:' not in r.stdout
+    resumed = metrics(tmp_path)[len(first):]
+    assert resumed[0]['iter'] == 20 and resumed[-1]['iter'] == 40
+    assert resumed[0]['val/loss'] == pytest.approx(first[-2]['val/loss'], abs=1e-6)  # same weights, same eval batches
+    assert torch.load(tmp_path / 'ckpt.pt', weights_only=True)['iter_num'] == 40
+
+
+def test_wandb_offline_history_read_back(tmp_path, char_data):
+    # no credentials (no key, no ~/.netrc) and no mode given: train.py must pick offline by itself
+    env = {'WANDB_MODE': None, 'WANDB_API_KEY': None, 'HOME': str(tmp_path), 'WANDB_SILENT': 'true'}
+    train(tmp_path, char_data, '--attn=mqa', '--max_iters=10', '--eval_interval=5', '--wandb_log=True',
+          '--wandb_run_name=smoke', env=env)
+    assert any(d.startswith('offline-run-') for d in os.listdir(tmp_path / 'wandb'))  # offline, not online
+    run_dir = tmp_path / 'wandb' / 'latest-run'
+    r = subprocess.run([sys.executable, '-m', 'wandb', 'leet', 'inspect', '--json', str(run_dir)],
+                       capture_output=True, text=True, timeout=120)
+    rows = [json.loads(line) for line in r.stdout.splitlines() if line.startswith('{')]
+    history = [row['history']['item'] for row in rows if row.get('type') == 'history']
+    keys = set().union(*history)
+    for key in ('iter', 'train/loss', 'val/loss', 'lr', 'tokens_per_sec', 'mfu', 'cache_bytes_per_token',
+                'train/batch_loss', 'ms_per_iter'):
+        assert key in keys, key
+    assert [h['iter'] for h in history if 'val/loss' in h] == [0, 5, 10]
+    assert [h['val/loss'] for h in history if 'val/loss' in h] == \
+        [m['val/loss'] for m in metrics(tmp_path) if 'val/loss' in m]  # the same rows as metrics.jsonl
+    summary = json.loads(subprocess.run([sys.executable, '-m', 'wandb', 'leet', 'inspect', '--summary', '--json',
+                                         str(run_dir)], capture_output=True, text=True, timeout=120).stdout)
+    assert summary['name'] == 'mqa-smoke' and summary['config']['attn'] == 'mqa'
+
+
+def test_ddp_two_cpu_processes(tmp_path, char_data):
+    r = train(tmp_path, char_data, '--attn=gqa', '--max_iters=6', '--eval_interval=3', '--gradient_accumulation_steps=2',
+              '--always_save_checkpoint=True',
+              launcher=(sys.executable, '-m', 'torch.distributed.run', '--standalone', '--nproc_per_node=2'))
+    digests = dict(re.findall(r"rank (\d): weights sha256 (\w+)", r.stdout))
+    assert set(digests) == {'0', '1'} and digests['0'] == digests['1']
+    assert r.stdout.count('step 3:') == 1  # only rank 0 evaluates and logs
+    evals = [m['iter'] for m in metrics(tmp_path) if 'val/loss' in m]
+    assert evals == [0, 3, 6]
+    assert sorted(os.listdir(tmp_path)) == ['ckpt.pt', 'metrics.jsonl']
+    ckpt = torch.load(tmp_path / 'ckpt.pt', weights_only=True)
+    assert ckpt['iter_num'] == 6
+
+
+def test_unknown_dataset(tmp_path):
+    r = subprocess.run([sys.executable, 'train.py', 'config/cpu.py', '--dataset=nope', f'--out_dir={tmp_path}'],
+                       cwd=ROOT, capture_output=True, text=True)
+    assert r.returncode == 2 and "dataset='nope' is unknown" in r.stderr and 'Traceback' not in r.stderr

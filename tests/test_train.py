@@ -90,11 +90,11 @@ def test_ddp_two_cpu_processes(tmp_path, char_data):
               '--always_save_checkpoint=True',
               launcher=(sys.executable, '-m', 'torch.distributed.run', '--standalone', '--nproc_per_node=2'))
     digests = dict(re.findall(r"rank (\d): weights sha256 (\w+)", r.stdout))
-    assert set(digests) == {'0', '1'} and digests['0'] == digests['1']
-    assert r.stdout.count('step 3:') == 1  # only rank 0 evaluates and logs
+    assert set(digests) == {'0', '1'} and digests['0'] == digests['1'], r.stdout + r.stderr
+    assert r.stdout.count('step 3:') == 1, r.stdout  # only rank 0 evaluates and logs
     evals = [m['iter'] for m in metrics(tmp_path) if 'val/loss' in m]
     assert evals == [0, 3, 6]
-    assert sorted(os.listdir(tmp_path)) == ['ckpt.pt', 'metrics.jsonl']
+    assert sorted(os.listdir(tmp_path)) == ['ckpt.pt', 'metrics.jsonl'], r.stdout + r.stderr
     ckpt = torch.load(tmp_path / 'ckpt.pt', weights_only=True)
     assert ckpt['iter_num'] == 6
 

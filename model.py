@@ -83,19 +83,20 @@ class GPTConfig:
 # What the layouts share: RoPE, the causal attention call, the caches.
 
 def rope_table(dim, length, base):
-    """cos, sin of shape (length, dim/2) for positions 0..length-1."""
+    """(length, dim/2, 2): cos and sin of angle pos * base^(-2i/dim) for positions 0..length-1."""
     inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
-    freqs = torch.outer(torch.arange(length, dtype=torch.float32), inv_freq)
-    return freqs.cos(), freqs.sin()
+    angles = torch.outer(torch.arange(length, dtype=torch.float32), inv_freq)
+    return torch.stack([angles.cos(), angles.sin()], dim=-1)
 
 
 def apply_rope(x, rope):
-    """Rotate x (..., L, d) by position, half-split layout (x1 = first half, x2 = second half)."""
+    """Rotate each pair (x[2i], x[2i+1]) of x (..., L, d) by its position's angle (interleaved layout):
+    one complex product, at least in float32. rope: complex (L, d/2), or None for no rotation."""
     if rope is None:
         return x
-    cos, sin = rope  # (L, d/2)
-    x1, x2 = x.chunk(2, dim=-1)  # products with the float32 table are float32 under 16-bit autocast
-    return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1).type_as(x)
+    xc = x.to(torch.promote_types(x.dtype, torch.float32)).unflatten(-1, (-1, 2))
+    xc = torch.view_as_complex(xc if xc.storage_offset() % 2 == 0 else xc.contiguous())
+    return torch.view_as_real(xc * rope).flatten(-2).type_as(x)
 
 
 def attend(q, k, v, scale=None, dropout_p=0.0):
@@ -367,9 +368,8 @@ class GPT(nn.Module):
             self.transformer.wpe = nn.Embedding(config.block_size, config.n_embd)
         else:  # one RoPE table, sliced at [pos, pos + L) by every layer
             rope_dim = config.rope_head_dim if config.attn == 'mla' else config.head_dim
-            cos, sin = rope_table(rope_dim, config.block_size, config.rope_base)
-            self.register_buffer('rope_cos', cos, persistent=False)
-            self.register_buffer('rope_sin', sin, persistent=False)
+            self.register_buffer('rope_table', rope_table(rope_dim, config.block_size, config.rope_base),
+                                 persistent=False)
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
         self.transformer.wte.weight = self.lm_head.weight  # weight tying
         self.apply(self._init_weights)
@@ -392,8 +392,11 @@ class GPT(nn.Module):
             torch.nn.init.normal_(module.weight, mean=0.0, std=0.02)
 
     def rope(self, pos, L):
-        """(cos, sin) for positions [pos, pos + L), or None with learned positions."""
-        return None if self.config.pos_emb == 'learned' else (self.rope_cos[pos:pos + L], self.rope_sin[pos:pos + L])
+        """The rotations e^(i angle) for positions [pos, pos + L), or None with learned positions."""
+        if self.config.pos_emb == 'learned':
+            return None
+        table = self.rope_table[pos:pos + L]  # (L, d/2, 2), float32 at least even in a 16-bit model
+        return torch.view_as_complex(table.to(torch.promote_types(table.dtype, torch.float32)))
 
     def init_cache(self, batch_size, dtype=None, device=None):
         """An empty cache for batch_size sequences of up to block_size tokens."""

@@ -235,6 +235,10 @@ def save_checkpoint():
     print(f"saving checkpoint to {out_dir}")
 
 
+if master_process and init_from == 'scratch':
+    open(os.path.join(out_dir, 'metrics.jsonl'), 'w').close()  # a new run starts a new log
+
+
 def log(row):
     """One row to out_dir/metrics.jsonl and, with wandb_log, to Weights & Biases."""
     with open(os.path.join(out_dir, 'metrics.jsonl'), 'a') as f:
@@ -272,7 +276,7 @@ while True:
     for param_group in optimizer.param_groups:
         param_group['lr'] = lr
 
-    if iter_num % eval_interval == 0 and master_process:
+    if (iter_num % eval_interval == 0 or iter_num == max_iters) and master_process:  # and at the end
         losses = estimate_loss()
         print(f"step {iter_num}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f}")
         log({'iter': iter_num, 'train/loss': losses['train'], 'val/loss': losses['val'], 'lr': lr,

@@ -9,7 +9,8 @@ VARIANTS = [dict(attn=a) for a in ATTN_LAYOUTS] + [
     dict(attn='mha', pos_emb='learned'), dict(attn='gqa', pos_emb='learned'),
     dict(attn='mla', pos_emb='learned'), dict(attn='mla', q_lora_rank=12),
     dict(attn='linear', pos_emb='learned'), dict(attn='linear', chunk_size=5),
-    dict(attn='mha', bias=True), dict(attn='mla', bias=True)]
+    dict(attn='mha', bias=True), dict(attn='mla', bias=True),
+    dict(attn='mla', n_embd=36, kv_lora_rank=15, rope_head_dim=6)]  # odd head_dim and d_c: odd offsets for RoPE
 IDS = ['-'.join(f'{k}={v}' for k, v in d.items()) for d in VARIANTS]
 
 

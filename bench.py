@@ -20,7 +20,7 @@ import time
 
 import torch
 
-from model import GPT, GPTConfig, ATTN_LAYOUTS
+from model import GPT, GPTConfig, ATTN_LAYOUTS, apply_rope, attend
 
 
 def cache_table(layouts=ATTN_LAYOUTS, T=None, **overrides):
@@ -73,7 +73,7 @@ def train_runs(layouts, out, max_iters, extra=()):
         shutil.rmtree(run_dir, ignore_errors=True)
         cmd = [sys.executable, 'train.py', f'config/{attn}.py', 'config/cpu.py', f'--out_dir={run_dir}',
                f'--max_iters={max_iters}', f'--lr_decay_iters={max_iters}', '--eval_interval=100',
-               '--log_interval=10', '--wandb_log=False', *extra]
+               '--log_interval=1', '--wandb_log=False', *extra]
         print(' '.join(cmd), file=sys.stderr)
         r = subprocess.run(cmd, capture_output=True, text=True)
         if r.returncode:
@@ -90,7 +90,8 @@ def train_table(runs):
              "median ms/iter | tokens/s |", "|---|---|---|---|---|---|---|---|"]
     for attn, run in runs.items():
         evals = [r for r in run['rows'] if 'val/loss' in r]
-        steps = [r['ms_per_iter'] for r in run['rows'] if 'ms_per_iter' in r and r['iter'] > 0]
+        # every step's time, except those that include an evaluation (iterations 0, 100, 200, ...)
+        steps = [r['ms_per_iter'] for r in run['rows'] if 'ms_per_iter' in r and r['iter'] % 100]
         ms = statistics.median(steps)
         lines.append(f"| {attn} | {run['params']}M | {evals[-1]['cache_bytes_per_token']:,.0f} | "
                      f"{evals[-1]['train/loss']:.4f} | {evals[-1]['val/loss']:.4f} | "
@@ -144,6 +145,218 @@ def step_time_vs_nanogpt(nanogpt_path, rounds=7, steps=20):
     return {k: statistics.median(v[1:]) for k, v in times.items()}  # the first round warms up
 
 
+def seven_b_table():
+    """The classic 7B table, from the model's own accounting (GPTConfig.cache_bytes), nothing allocated:
+    32 layers, 32 query heads, d_k 128, fp16, 8192 tokens; MLA at d_c = 4 d_k, d_R = d_k / 2."""
+    base = dict(n_layer=32, n_head=32, n_embd=4096, block_size=8192, vocab_size=32000, kv_lora_rank=512,
+                rope_head_dim=64)
+    rows = ["| layout | cache KiB / token | GiB at 8192 tokens |", "|---|---|---|"]
+    for name, kw in (('MHA (h_kv = 32)', dict(attn='mha')), ('GQA (h_kv = 8)', dict(attn='gqa', n_kv_head=8)),
+                     ('MQA (h_kv = 1)', dict(attn='mqa')), ('MLA (d_c = 512, d_R = 64)', dict(attn='mla')),
+                     ('linear (state, any T)', dict(attn='linear'))):
+        cfg = GPTConfig(**base, **kw)
+        per_token = cfg.cache_bytes(8192, torch.float16) / 8192 / 1024
+        rows.append(f"| {name} | {per_token:,.2f} | {cfg.cache_bytes(8192, torch.float16) / 2 ** 30:.2f} |")
+    rows.append(f"| weights: 7e9 parameters at fp16 | | {7e9 * 2 / 2 ** 30:.1f} |")
+    return "\n".join(rows) + "\n"
+
+
+def memory_table(layouts, sizes, contexts, device, dtype):
+    """Bytes per token and at several context lengths: the formula next to a real cache's nbytes."""
+    rows = ["| layout | T | formula bytes | measured `cache.nbytes` | bytes / token | measured / formula |",
+            "|---|---|---|---|---|---|"]
+    for attn in layouts:
+        cfg = GPTConfig(attn=attn, **{**sizes, 'block_size': max(contexts)})
+        model = GPT(cfg).to(device=device, dtype=dtype).eval()
+        cache = model.init_cache(1)
+        with torch.no_grad():
+            for T in contexts:
+                model(torch.randint(0, cfg.vocab_size, (1, T - len(cache)), device=device), cache=cache)
+                f = cfg.cache_bytes(T, dtype)
+                rows.append(f"| {attn} | {T} | {f:,} | {cache.nbytes:,} | {cache.nbytes / T:,.1f} | "
+                            f"{cache.nbytes / f:.3f} |")
+    return "\n".join(rows) + "\n"
+
+
+def sync(device):
+    if device.startswith('cuda'):
+        torch.cuda.synchronize()
+
+
+def timed(fn, device, reps):
+    """Median seconds of reps calls of fn (after one warm-up call)."""
+    fn()
+    times = []
+    for _ in range(reps):
+        sync(device)
+        t0 = time.perf_counter()
+        fn()
+        sync(device)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+@torch.no_grad()
+def decode_costs(layouts, sizes, contexts, device, dtype, steps=8):
+    """ms per generated token at each context length t: one cached decode step against t cached tokens,
+    and the uncached alternative, one forward over the t + 1 token window."""
+    out = {}
+    for attn in layouts:
+        cfg = GPTConfig(attn=attn, **{**sizes, 'block_size': max(contexts) + steps + 1})
+        model = GPT(cfg).to(device=device, dtype=dtype).eval()
+        for t in contexts:
+            idx = torch.randint(0, cfg.vocab_size, (1, t + steps + 1), device=device)
+            cache = model.init_cache(1)
+            model(idx[:, :t], cache=cache)
+            step_times = []
+            for i in range(steps):  # each step feeds one new token at position t + i
+                sync(device)
+                t0 = time.perf_counter()
+                model(idx[:, t + i:t + i + 1], cache=cache)
+                sync(device)
+                step_times.append(time.perf_counter() - t0)
+            cached = statistics.median(step_times[1:])
+            uncached = timed(lambda: model(idx[:, :t + 1]), device, reps=3)
+            out[attn, t] = (cached * 1000, uncached * 1000)
+    return out
+
+
+@torch.no_grad()
+def generation_speedup(layouts, sizes, device, dtype, prompt=16, new=240):
+    """Greedy generation, 240 new tokens after a 16-token prompt at block 256, with and without the cache."""
+    rows = ["| layout | tokens/s with cache | tokens/s without | speedup | identical greedy tokens |",
+            "|---|---|---|---|---|"]
+    for attn in layouts:
+        cfg = GPTConfig(attn=attn, **{**sizes, 'block_size': 256})
+        model = GPT(cfg).to(device=device, dtype=dtype).eval()
+        idx = torch.randint(0, cfg.vocab_size, (1, prompt), device=device)
+        res = {}
+        for use_cache in (True, False):
+            model.generate(idx, 8, temperature=0, use_cache=use_cache)  # warm-up
+            sync(device)
+            t0 = time.perf_counter()
+            res[use_cache] = model.generate(idx, new, temperature=0, use_cache=use_cache)
+            sync(device)
+            res[use_cache, 't'] = time.perf_counter() - t0
+        rows.append(f"| {attn} | {new / res[True, 't']:,.1f} | {new / res[False, 't']:,.1f} | "
+                    f"{res[False, 't'] / res[True, 't']:.1f}x | {'yes' if torch.equal(res[True], res[False]) else 'NO'} |")
+    return "\n".join(rows) + "\n"
+
+
+def mla_explicit_decode(attn, x, rope, pos, cache):
+    """MLA decode without absorption, for comparison only: the same cache, but K and V re-materialized
+    from every cached latent at every step (what the absorbed path avoids)."""
+    B, L, _ = x.size()
+    H, dh, dR, dc = attn.n_head, attn.dh, attn.dR, attn.dc
+    q = attn.c_q(x).view(B, L, H, dh + dR).transpose(1, 2)
+    q = torch.cat([q[..., :dh], apply_rope(q[..., dh:], rope)], dim=-1)
+    c, k_rope = attn.kv_down(x).unsqueeze(1).split([dc, dR], dim=-1)
+    latent, = cache.update(pos, torch.cat([attn.kv_norm(c), apply_rope(k_rope, rope)], dim=-1))
+    S = latent.size(2)
+    k = torch.cat([attn.k_up(latent[..., :dc]).view(B, S, H, dh).transpose(1, 2),
+                   latent[..., dc:].expand(B, H, S, dR)], dim=-1)
+    v = attn.v_up(latent[..., :dc]).view(B, S, H, dh).transpose(1, 2)
+    y = attend(q, k, v, attn.scale)
+    return attn.c_proj(y.transpose(1, 2).reshape(B, L, H * dh))
+
+
+@torch.no_grad()
+def mla_absorbed_vs_explicit(sizes, device, dtype, t=1024, steps=20):
+    """One MLA layer's decode step at context t, absorbed (the model's) vs explicit; same outputs."""
+    cfg = GPTConfig(attn='mla', **{**sizes, 'block_size': t + 2 * steps + 2})
+    model = GPT(cfg).to(device=device, dtype=dtype).eval()
+    attn = model.transformer.h[0].attn
+    x = torch.randn(1, t + steps, cfg.n_embd, device=device, dtype=dtype)
+    res = {}
+    for name, step in (('absorbed', attn.forward), ('explicit', lambda *a: mla_explicit_decode(attn, *a))):
+        cache = attn.init_cache(1, cfg.block_size, dtype, device)
+        attn(x[:, :t], model.rope(0, t), 0, cache)
+        outs, times = [], []
+        for i in range(steps):
+            sync(device)
+            t0 = time.perf_counter()
+            outs.append(step(x[:, t + i:t + i + 1], model.rope(t + i, 1), t + i, cache))
+            sync(device)
+            times.append(time.perf_counter() - t0)
+        res[name] = (statistics.median(times[1:]) * 1000, torch.cat(outs, 1))
+    err = (res['absorbed'][1] - res['explicit'][1]).abs().max().item()
+    return res['absorbed'][0], res['explicit'][0], err
+
+
+def train_step_times(layouts, sizes, device, dtype, Ts=(256, 1024), batch=4):
+    """Prefill (no-grad forward into a cache, batch 1) and training step (forward + backward, batch 4)."""
+    rows = ["| layout | T | prefill ms | train fwd+bwd ms |", "|---|---|---|---|"]
+    for attn in layouts:
+        for T in Ts:
+            cfg = GPTConfig(attn=attn, **{**sizes, 'block_size': T})
+            model = GPT(cfg).to(device=device, dtype=dtype)
+            idx = torch.randint(0, cfg.vocab_size, (batch, T), device=device)
+
+            def prefill():
+                with torch.no_grad():
+                    model(idx[:1], cache=model.init_cache(1))
+
+            def step():
+                _, loss = model(idx, idx)
+                loss.backward()
+            rows.append(f"| {attn} | {T} | {timed(prefill, device, 3) * 1000:,.1f} | "
+                        f"{timed(step, device, 3) * 1000:,.1f} |")
+    return "\n".join(rows) + "\n"
+
+
+def plot_decode(costs, layouts, contexts, path):
+    import matplotlib
+    matplotlib.use('Agg')
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for i, attn in enumerate(layouts):
+        color = f"C{i}"
+        ax.plot(contexts, [costs[attn, t][0] for t in contexts], color=color, marker='o', label=f"{attn}, cached")
+        ax.plot(contexts, [costs[attn, t][1] for t in contexts], color=color, ls='--', marker='x',
+                label=f"{attn}, no cache")
+    ax.set_xscale('log', base=2)
+    ax.set_yscale('log')
+    ax.set_xlabel('context length t (tokens already seen)')
+    ax.set_ylabel('ms per generated token')
+    ax.set_title('decode cost vs context, batch 1')
+    ax.grid(alpha=0.3, which='both')
+    ax.legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def decode_report(layouts, sizes, contexts, device, dtype, out):
+    costs = decode_costs(layouts, sizes, contexts, device, dtype)
+    plot_decode(costs, layouts, contexts, os.path.join(out, 'decode.png'))
+    head = "| layout | " + " | ".join(f"t={t} cached / no cache" for t in contexts) + " |"
+    rows = [head, "|---|" + "---|" * len(contexts)]
+    for attn in layouts:
+        rows.append(f"| {attn} | " + " | ".join(f"{costs[attn, t][0]:.2f} / {costs[attn, t][1]:.1f}"
+                                              for t in contexts) + " |")
+    text = (f"Machine: {machine()}. Model: {sizes['n_layer']} layers, {sizes['n_head']} heads, "
+            f"n_embd {sizes['n_embd']}, random init, {str(dtype).replace('torch.', '')}, device {device}.\n\n"
+            "**(a) Cache memory, formula vs measured** (one sequence):\n\n" +
+            memory_table(layouts, sizes, [c for c in contexts if c <= 1024] or contexts[:1], device, dtype) +
+            "\n**The 7B table**, from `GPTConfig.cache_bytes` (nothing allocated):\n\n" + seven_b_table() +
+            "\n**(b) Decode cost vs context**, ms per generated token (cached / without cache):\n\n" +
+            "\n".join(rows) + "\n")
+    ratio = {}
+    if 'linear' in layouts and len(contexts) > 1:
+        lo = min(contexts, key=lambda c: abs(c - 128))
+        ratio = costs['linear', max(contexts)][0] / costs['linear', lo][0]
+        text += f"\nLinear attention, cached ms/token at t={max(contexts)} / at t={lo}: **{ratio:.2f}**\n"
+    if 'mla' in layouts:
+        absorbed, explicit, err = mla_absorbed_vs_explicit(sizes, device, dtype)
+        text += (f"\nOne MLA layer, decode step at t=1024: absorbed **{absorbed:.3f} ms**, explicit (K, V "
+                 f"re-materialized from the latents) {explicit:.3f} ms, explicit / absorbed = "
+                 f"**{explicit / absorbed:.2f}**; outputs agree to {err:.1e}.\n")
+    text += ("\n**Generation, 240 new tokens after a 16-token prompt, block 256, greedy:**\n\n" +
+             generation_speedup(layouts, sizes, device, dtype) +
+             "\n**(c) Prefill and training step** (prefill: batch 1 into a cache; training: batch 4):\n\n" +
+             train_step_times(layouts, sizes, device, dtype) + "\n![decode cost vs context](results/decode.png)\n")
+    return text
+
+
 def replace_readme_section(text, name, body):
     start, end = f"<!-- {name} -->", f"<!-- /{name} -->"
     pattern = re.compile(re.escape(start) + ".*?" + re.escape(end), re.S)
@@ -155,29 +368,40 @@ def replace_readme_section(text, name, body):
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest='mode', required=True)
-    c = sub.add_parser('cache', help='cache elements/bytes per token, formula vs measured')
-    c.add_argument('--layouts', default=','.join(ATTN_LAYOUTS), help='comma-separated subset of ' + ','.join(ATTN_LAYOUTS))
-    c.add_argument('--readme', action='store_true', help='rewrite the cache table in README.md')
-    t = sub.add_parser('train', help='train the CPU preset for each layout: losses, ms/iter, val-loss plot')
-    t.add_argument('--layouts', default=','.join(ATTN_LAYOUTS))
+    modes = {'cache': 'cache elements/bytes per token at the default config, formula vs measured',
+             'train': 'train the CPU preset for each layout: losses, ms/iter, val-loss plot',
+             'decode': 'cache memory, decode cost vs context, generation speedup, prefill/train step'}
+    parsers = {m: sub.add_parser(m, help=h) for m, h in modes.items()}
+    for m, q in parsers.items():
+        q.add_argument('--layouts', default=','.join(ATTN_LAYOUTS), help='comma-separated subset of the layouts')
+        q.add_argument('--readme', action='store_true', help='rewrite this table in README.md')
+        if m != 'cache':
+            q.add_argument('--out', default='results', help='folder for runs, tables and plots (default: results)')
+    t = parsers['train']
     t.add_argument('--max_iters', type=int, default=2000)
-    t.add_argument('--out', default='results', help='folder for runs, table and plot (default: results)')
     t.add_argument('--nanogpt', help="path to nanoGPT's model.py: also time its training step next to ours")
-    t.add_argument('--readme', action='store_true', help='rewrite the training table in README.md')
     t.add_argument('extra', nargs='*', help='more --key=value for train.py (after --)')
+    d = parsers['decode']
+    d.add_argument('--n_layer', type=int, default=6)
+    d.add_argument('--n_head', type=int, default=6)
+    d.add_argument('--n_embd', type=int, default=384)
+    d.add_argument('--contexts', default='64,128,256,512,1024,2048', help='comma-separated context lengths')
+    d.add_argument('--device', default='cpu')
+    d.add_argument('--dtype', default='float32', choices=['float32', 'bfloat16', 'float16'])
     args = p.parse_args(argv)
     layouts = args.layouts.split(',')
     unknown = [x for x in layouts if x not in ATTN_LAYOUTS]
     if unknown:
         p.error(f"unknown layout(s) {unknown}; choose from {', '.join(ATTN_LAYOUTS)}")
+    if args.mode != 'cache':
+        os.makedirs(args.out, exist_ok=True)
     if args.mode == 'cache':
-        section, body = 'cache-table', cache_table(layouts)
-    else:
+        body = cache_table(layouts)
+    elif args.mode == 'train':
         if args.max_iters < 1:
             p.error(f"--max_iters={args.max_iters} must be >= 1")
         if args.nanogpt and not os.path.isfile(args.nanogpt):
             p.error(f"--nanogpt {args.nanogpt!r}: no such file")
-        os.makedirs(args.out, exist_ok=True)
         runs = train_runs(layouts, args.out, args.max_iters, args.extra)
         plot_curves(runs, os.path.join(args.out, 'train_val_loss.png'))
         body = (f"`python bench.py train --max_iters={args.max_iters}` on {machine()}: config/<layout>.py + "
@@ -189,15 +413,36 @@ def main(argv=None):
             body += ("\nTraining-step time on the same recipe, models taking turns in one process "
                      "(median of 6 rounds x 20 steps):\n\n| model | ms/step | vs nanoGPT |\n|---|---|---|\n" +
                      "".join(f"| {k} | {v:.2f} | {v / ref:.3f} |\n" for k, v in ms.items()))
-        section = 'train-table'
-        with open(os.path.join(args.out, 'train.md'), 'w') as f:
+        body += "\n![val loss curves](results/train_val_loss.png)\n"
+    else:
+        try:
+            contexts = sorted(int(c) for c in args.contexts.split(','))
+        except ValueError:
+            p.error(f"--contexts {args.contexts!r}: give comma-separated integers")
+        if contexts[0] < 1:
+            p.error("--contexts must be >= 1")
+        if args.device.startswith('cuda') and not torch.cuda.is_available():
+            p.error(f"--device {args.device}: CUDA is not available here")
+        for name in ('n_layer', 'n_head', 'n_embd'):
+            if getattr(args, name) < 1:
+                p.error(f"--{name} must be >= 1")
+        sizes = dict(n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd)
+        try:
+            for attn in layouts:
+                GPTConfig(attn=attn, **sizes)
+        except ValueError as e:
+            p.error(str(e))
+        torch.manual_seed(0)
+        body = decode_report(layouts, sizes, contexts, args.device, getattr(torch, args.dtype), args.out)
+    if args.mode != 'cache':
+        with open(os.path.join(args.out, f'{args.mode}.md'), 'w') as f:
             f.write(body)
     print(body)
     if args.readme:
         with open('README.md') as f:
             text = f.read()
         with open('README.md', 'w') as f:
-            f.write(replace_readme_section(text, section, body))
+            f.write(replace_readme_section(text, f'{args.mode}-table', body))
 
 
 if __name__ == '__main__':

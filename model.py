@@ -447,10 +447,15 @@ class GPT(nn.Module):
 
     @torch.no_grad()
     def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None, top_p=None, use_cache=True):
-        """Sample max_new_tokens after idx (B, T). temperature 0 = greedy. The model sees a window of
-        at most block_size tokens; when it is full it slides forward, keeping its last half, and
-        positions restart at 0. Both paths use this window, so with and without the cache the
-        tokens are the same, past block_size too; with the cache a slide costs one re-prefill."""
+        """idx (B, T) followed by max_new_tokens sampled tokens; temperature 0 = greedy."""
+        return torch.cat([idx, *self.stream(idx, max_new_tokens, temperature, top_k, top_p, use_cache)], dim=1)
+
+    @torch.no_grad()
+    def stream(self, idx, max_new_tokens, temperature=1.0, top_k=None, top_p=None, use_cache=True):
+        """Yield the new tokens (B, 1) one step at a time. The model sees a window of at most block_size
+        tokens; when it is full it slides forward, keeping its last half, and positions restart at 0.
+        Both paths use this window, so with and without the cache the tokens are the same, past
+        block_size too; with the cache a slide costs one re-prefill."""
         block_size = self.config.block_size
         start, cache = max(0, idx.size(1) - block_size), None  # idx[:, start:] is the window
         for _ in range(max_new_tokens):
@@ -463,7 +468,7 @@ class GPT(nn.Module):
                 logits, _ = self(idx[:, start:])  # re-run the whole window
             idx_next = sample(logits[:, -1, :].float(), temperature, top_k, top_p)
             idx = torch.cat((idx, idx_next), dim=1)
-        return idx
+            yield idx_next
 
 
 def sample(logits, temperature=1.0, top_k=None, top_p=None):

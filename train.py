@@ -187,7 +187,8 @@ raw_model = model
 if compile:
     model = torch.compile(model)
 if ddp:
-    model = DDP(model, device_ids=[ddp_local_rank] if device_type == 'cuda' else None)
+    # broadcast_buffers=False: the only buffer is the constant RoPE table, and rank 0 evaluates alone
+    model = DDP(model, device_ids=[ddp_local_rank] if device_type == 'cuda' else None, broadcast_buffers=False)
 cache_bytes_per_token = gptconf.cache_bytes(block_size, ptdtype) / block_size  # at block_size, inference dtype
 if master_process:
     print(f"{gptconf.attn}: {raw_model.get_num_params() / 1e6:.2f}M parameters, "
@@ -198,17 +199,18 @@ if master_process:
 def estimate_loss():
     """Mean loss over eval_iters batches of each split; the same batches at every evaluation."""
     out = {}
-    model.eval()
+    net = model.module if ddp else model  # rank 0 alone: no DDP collectives in evaluation
+    net.eval()
     for split in ('train', 'val'):
         gen = torch.Generator().manual_seed(seed + 1000 * (split == 'val'))
         losses = torch.zeros(eval_iters)
         for k in range(eval_iters):
             X, Y = get_batch(split, gen)
             with ctx:
-                _, loss = model(X, Y)
+                _, loss = net(X, Y)
             losses[k] = loss.item()
         out[split] = losses.mean().item()
-    model.train()
+    net.train()
     return out
 
 
@@ -224,8 +226,8 @@ def get_lr(it):
 def save_checkpoint():
     """Written to a temp file in out_dir, flushed to disk, then renamed: a crash never leaves half a file."""
     ckpt = {'model': raw_model.state_dict(), 'optimizer': optimizer.state_dict(), 'model_args': asdict(gptconf),
-            'iter_num': iter_num, 'best_val_loss': best_val_loss, 'config': config,
-            'batch_gen': batch_gen.get_state(), 'torch_rng': torch.get_rng_state()}
+            'iter_num': iter_num, 'best_val_loss': best_val_loss, 'config': config, 'meta': meta,
+            'batch_gen': batch_state, 'torch_rng': torch.get_rng_state()}
     path = os.path.join(out_dir, 'ckpt.pt')
     with open(path + '.tmp', 'wb') as f:
         torch.save(ckpt, f)
@@ -268,6 +270,7 @@ if wandb_log and master_process:
                mode=mode, dir=out_dir)
 
 # training loop
+batch_state = batch_gen.get_state()  # the state that draws X, Y: saved with a checkpoint, it redraws them
 X, Y = get_batch('train', batch_gen)
 t0 = time.time()
 local_iter_num, running_mfu = 0, -1.0
@@ -285,8 +288,8 @@ while True:
             best_val_loss = min(best_val_loss, losses['val'])
             if iter_num > 0:
                 save_checkpoint()
-    if iter_num == 0 and eval_only:
-        break
+    if iter_num == max_iters or (iter_num == 0 and eval_only):
+        break  # max_iters steps done, their result evaluated (and saved if best)
 
     for micro_step in range(gradient_accumulation_steps):
         if ddp:  # sync gradients only at the last micro step
@@ -294,6 +297,7 @@ while True:
         with ctx:
             logits, loss = model(X, Y)
             loss = loss / gradient_accumulation_steps
+        batch_state = batch_gen.get_state()
         X, Y = get_batch('train', batch_gen)  # prefetch the next batch while the GPU works
         scaler.scale(loss).backward()
     if grad_clip != 0.0:
@@ -318,8 +322,6 @@ while True:
              'tokens_per_sec': tokens_per_iter / dt, 'mfu': running_mfu * 100})
     iter_num += 1
     local_iter_num += 1
-    if iter_num > max_iters:
-        break
 
 if ddp:  # every rank must end with the same weights
     digest = hashlib.sha256(b''.join(p.detach().cpu().numpy().tobytes() for p in raw_model.parameters()))

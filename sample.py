@@ -1,0 +1,152 @@
+"""
+Sample from a trained checkpoint, with or without the cache, or both side by side.
+
+    python sample.py --out_dir=out-shakespeare-char-gqa                      # cached generation
+    python sample.py --out_dir=out-shakespeare-char-mla --use_cache=False    # re-run the window each step
+    python sample.py --out_dir=out-shakespeare-char-mla --compare            # both ways: same tokens? speed? bytes?
+    python sample.py --start=FILE:prompt.txt --num_samples=1 --temperature=0
+"""
+import json
+import os
+import sys
+import time
+from contextlib import nullcontext
+
+import torch
+
+from configurator import configure, fail
+from model import GPT, GPTConfig
+
+# -----------------------------------------------------------------------------
+out_dir = 'out'
+start = "\n"               # the prompt, or FILE:path to read it from a file
+num_samples = 10
+max_new_tokens = 500
+temperature = 0.8          # 0 = greedy
+top_k = 200                # keep the k most likely tokens (>= vocab_size: no filtering)
+top_p = 1.0                # nucleus sampling; 1.0 = off
+seed = 1337
+use_cache = True
+compare = False            # generate with and without the cache and print a comparison table
+device = 'cpu'
+dtype = 'float32'          # float32, bfloat16 or float16 (autocast on CUDA)
+compile = False
+# -----------------------------------------------------------------------------
+config_keys = [k for k, v in globals().items() if not k.startswith('_') and isinstance(v, (int, float, bool, str))]
+globals().update(configure({k: globals()[k] for k in config_keys if k != 'config_keys'}, sys.argv[1:]))
+# -----------------------------------------------------------------------------
+
+for name, ok, rule in (('max_new_tokens', max_new_tokens >= 0, '>= 0'), ('top_k', top_k >= 1, '>= 1'),
+                       ('top_p', 0 < top_p <= 1, 'in (0, 1]'), ('temperature', temperature >= 0, '>= 0'),
+                       ('num_samples', num_samples >= 1, '>= 1')):
+    if not ok:
+        fail(f"{name}={globals()[name]!r} must be {rule}")
+if dtype not in ('float32', 'bfloat16', 'float16'):
+    fail(f"dtype={dtype!r} should be one of float32, bfloat16, float16")
+if device.startswith('cuda') and not torch.cuda.is_available():
+    fail(f"device={device!r} but CUDA is not available here; use --device=cpu")
+
+ckpt_path = os.path.join(out_dir, 'ckpt.pt')
+if not os.path.isfile(ckpt_path):
+    fail(f"no checkpoint at {ckpt_path}: train one first (python train.py ...) or pass --out_dir")
+try:
+    checkpoint = torch.load(ckpt_path, map_location=device, weights_only=True)
+    model = GPT(GPTConfig(**checkpoint['model_args']))
+    model.load_state_dict({k.removeprefix('_orig_mod.'): v for k, v in checkpoint['model'].items()})
+    meta = checkpoint['meta']
+except Exception as e:  # truncated, corrupted or foreign files all land here
+    fail(f"cannot load checkpoint {ckpt_path}: {type(e).__name__}: {str(e).splitlines()[0][:200]}")
+model.eval().to(device)
+if compile:
+    model = torch.compile(model)
+torch.manual_seed(seed)
+device_type = 'cuda' if 'cuda' in device else 'cpu'
+ptdtype = {'float32': torch.float32, 'bfloat16': torch.bfloat16, 'float16': torch.float16}[dtype]
+ctx = nullcontext() if device_type == 'cpu' else torch.autocast(device_type=device_type, dtype=ptdtype)
+
+# the tokenizer the checkpoint was trained with
+if meta['kind'] == 'char':
+    stoi = {ch: i for i, ch in enumerate(meta['itos'])}
+    decode = lambda ids: ''.join(meta['itos'][i] for i in ids)
+
+    def encode(s):
+        unknown = sorted(set(c for c in s if c not in stoi))
+        if unknown:
+            fail(f"the prompt has characters outside the vocabulary: {''.join(unknown)!r} "
+                 f"({', '.join(repr(c) for c in unknown)})")
+        return [stoi[c] for c in s]
+else:
+    import tiktoken
+    try:
+        enc = tiktoken.get_encoding(meta['encoding'])
+    except Exception as e:
+        fail(f"cannot load tiktoken encoding {meta['encoding']!r} ({type(e).__name__}); it is downloaded on first use")
+    encode = lambda s: enc.encode(s, allowed_special={'<|endoftext|>'} & enc.special_tokens_set)
+    decode = enc.decode
+
+if start.startswith('FILE:'):
+    try:
+        with open(start[5:], encoding='utf-8') as f:
+            start = f.read()
+    except OSError as e:
+        fail(f"cannot read the prompt file {start[5:]!r}: {e.strerror}")
+start_ids = encode(start)
+if not start_ids:
+    fail("the prompt is empty: give at least one token with --start=... (the default is a newline)")
+x = torch.tensor(start_ids, dtype=torch.long, device=device)[None, ...]
+options = dict(temperature=temperature, top_k=top_k, top_p=top_p if top_p < 1 else None)
+
+
+def run(cached, stream=False):
+    """num_samples samples (one batch row each, one seed); returns the new tokens and tokens/s."""
+    torch.manual_seed(seed)
+    if device_type == 'cuda':
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    with torch.no_grad(), ctx:
+        new = []
+        for tok in model.stream(x.expand(num_samples, -1), max_new_tokens, use_cache=cached, **options):
+            new.append(tok)
+            if stream:
+                print(decode(tok[0].tolist()), end='', flush=True)
+    if device_type == 'cuda':
+        torch.cuda.synchronize()
+    dt = time.perf_counter() - t0
+    out = torch.cat(new, dim=1) if new else x[:, :0].expand(num_samples, 0)
+    return out, num_samples * max_new_tokens / dt if dt > 0 else float('inf')
+
+
+if not compare:
+    if num_samples == 1:  # stream the text as it is generated
+        print(start, end='')
+        run(use_cache, stream=True)
+        print()
+    else:
+        out, _ = run(use_cache)
+        for row in out.tolist():
+            print(start + decode(row))
+            print('---------------')
+    sys.exit(0)
+
+# --compare: the same samples both ways, same seed
+cfg = model.config
+with_cache, tps_cache = run(True)
+without, tps_plain = run(False)
+same = torch.equal(with_cache, without)
+diff = (with_cache != without).any(0).nonzero()
+final = torch.cat([x.expand(num_samples, -1), with_cache], 1)[:, -cfg.block_size:]  # what the window holds
+cache = model.init_cache(num_samples)  # refilled with the final window, to measure its bytes
+model(final, cache=cache)
+per_token = cache.nbytes / num_samples / len(cache)
+formula = cfg.cache_bytes(len(cache), next(model.parameters()).dtype) / len(cache)
+print(decode(with_cache[0].tolist())[:200].replace('\n', ' ') + ' ...\n')
+rows = [('layout', cfg.attn),
+        ('tokens identical', 'yes' if same else f"no: first difference at new token {diff[0].item()}"),
+        ('tokens/s with cache', f"{tps_cache:,.1f}"),
+        ('tokens/s without cache', f"{tps_plain:,.1f}"),
+        ('speedup', f"{tps_cache / tps_plain:.2f}x"),
+        (f'cache bytes at the end ({len(cache)} tokens x {num_samples} samples)', f"{cache.nbytes:,}"),
+        ('cache bytes / token: measured', f"{per_token:,.1f}"),
+        ('cache bytes / token: formula', f"{formula:,.1f}" + ('  (fixed state / tokens)' if cfg.attn == 'linear' else ''))]
+width = max(len(k) for k, _ in rows)
+print('\n'.join(f"{k:<{width}} | {v}" for k, v in rows))

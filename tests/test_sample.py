@@ -1,0 +1,113 @@
+"""sample.py end to end on a tiny checkpoint trained here: both cache modes, --compare, streaming,
+prompt errors, top-k / top-p, and a BPE (tiktoken) checkpoint."""
+import os
+import subprocess
+import sys
+
+import pytest
+
+from conftest import ROOT
+from test_train import TINY
+
+
+def run(*args, env=None):
+    return subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, **(env or {})})
+
+
+@pytest.fixture(scope='module')
+def ckpt_dir(tmp_path_factory, char_data):
+    out = tmp_path_factory.mktemp('sample_ckpt')
+    r = run('train.py', *TINY, '--attn=mla', '--max_iters=40', '--eval_interval=20', f'--out_dir={out}',
+            f'--data_dir={char_data}')
+    assert r.returncode == 0, r.stderr
+    return str(out)
+
+
+def sample(ckpt_dir, *args, env=None):
+    r = run('sample.py', f'--out_dir={ckpt_dir}', '--max_new_tokens=60', *args, env=env)
+    assert r.returncode == 0, r.stderr
+    return r.stdout
+
+
+def test_cached_and_uncached_give_the_same_text(ckpt_dir):
+    for args in (['--temperature=0'], ['--temperature=1.0', '--top_k=10', '--seed=7']):
+        a = sample(ckpt_dir, '--num_samples=3', '--use_cache=True', *args)
+        b = sample(ckpt_dir, '--num_samples=3', '--use_cache=False', *args)
+        assert a == b and a.count('---------------') == 3
+    assert sample(ckpt_dir, '--num_samples=2', '--seed=1') != sample(ckpt_dir, '--num_samples=2', '--seed=2')
+
+
+def test_compare_table(ckpt_dir):
+    out = sample(ckpt_dir, '--compare', '--num_samples=2', '--max_new_tokens=80', '--start=ROMEO:')
+    table = dict(line.split(' | ', 1) for line in out.splitlines() if ' | ' in line)
+    table = {k.strip(): v for k, v in table.items()}
+    assert table['layout'] == 'mla' and table['tokens identical'] == 'yes'
+    assert float(table['speedup'].rstrip('x')) > 0
+    assert table['cache bytes / token: measured'] == table['cache bytes / token: formula']
+
+
+def test_streaming_one_sample_and_file_prompt(ckpt_dir, tmp_path):
+    prompt = tmp_path / 'p.txt'
+    prompt.write_text('KING:\n')
+    greedy = sample(ckpt_dir, f'--start=FILE:{prompt}', '--num_samples=1', '--temperature=0')
+    assert greedy.startswith('KING:\n') and len(greedy) == len('KING:\n') + 60 + 1
+    batch = sample(ckpt_dir, '--start=KING:\n', '--num_samples=2', '--temperature=0')
+    assert batch.split('---------------')[0].strip('\n') == greedy.strip('\n')  # same text, streamed or not
+
+
+def test_top_p_tiny_is_greedy_and_top_k_one_is_greedy(ckpt_dir):
+    greedy = sample(ckpt_dir, '--temperature=0', '--num_samples=2')
+    assert sample(ckpt_dir, '--temperature=1.0', '--top_p=1e-9', '--num_samples=2') == greedy
+    assert sample(ckpt_dir, '--temperature=1.0', '--top_k=1', '--num_samples=2') == greedy
+
+
+@pytest.mark.parametrize('args,message', [
+    (['--start=héllo ☃'], "the prompt has characters outside the vocabulary: 'é☃'"),
+    (['--start='], "the prompt is empty"),
+    (['--max_new_tokens=-1'], "max_new_tokens=-1 must be >= 0"),
+    (['--top_k=0'], "top_k=0 must be >= 1"),
+    (['--top_p=0'], "top_p=0.0 must be in (0, 1]"),
+    (['--top_p=1.5'], "top_p=1.5 must be in (0, 1]"),
+    (['--temperature=-1'], "temperature=-1.0 must be >= 0"),
+    (['--start=FILE:/no/such'], "cannot read the prompt file '/no/such'"),
+])
+def test_bad_input_is_one_line(ckpt_dir, args, message):
+    r = run('sample.py', f'--out_dir={ckpt_dir}', *args)
+    assert r.returncode == 2 and message in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+
+
+def test_missing_checkpoint(tmp_path):
+    r = run('sample.py', f'--out_dir={tmp_path}')
+    assert r.returncode == 2 and 'no checkpoint at' in r.stderr and 'Traceback' not in r.stderr
+
+
+PLUGIN = '''
+from test_prepare_encoding import small_encoding_kwargs
+ENCODING_CONSTRUCTORS = {'test-bpe': small_encoding_kwargs}
+'''
+
+
+def test_bpe_checkpoint(tmp_path):
+    """A tiktoken checkpoint end to end, offline: the test's small encoding is registered with tiktoken
+    through its tiktoken_ext plugin namespace, as a real encoding would be."""
+    plugin = tmp_path / 'plugin'
+    (plugin / 'tiktoken_ext').mkdir(parents=True)
+    (plugin / 'tiktoken_ext' / 'test_bpe_plugin.py').write_text(PLUGIN)
+    (plugin / 'test_prepare_encoding.py').write_text(
+        "from test_prepare import small_gpt2_like_encoding\n"
+        "def small_encoding_kwargs():\n"
+        "    e = small_gpt2_like_encoding()\n"
+        "    return dict(name=e.name, pat_str=e._pat_str, mergeable_ranks=e._mergeable_ranks, special_tokens={})\n")
+    env = {'PYTHONPATH': os.pathsep.join([str(plugin), os.path.join(ROOT, 'tests'), ROOT])}
+    data = tmp_path / 'bpe'
+    from conftest import SHAKESPEARE
+    r = run('-c', f"import tiktoken; from data.shakespeare.prepare import prepare; "
+                  f"prepare({str(data)!r}, {SHAKESPEARE!r}, enc=tiktoken.get_encoding('test-bpe'))", env=env)
+    assert r.returncode == 0, r.stderr
+    out = tmp_path / 'out'
+    r = run('train.py', *TINY, '--dataset=shakespeare', f'--data_dir={data}', '--max_iters=10',
+            '--eval_interval=10', f'--out_dir={out}', env=env)
+    assert r.returncode == 0, r.stderr
+    text = sample(str(out), '--start=the king', '--compare', '--num_samples=1', '--max_new_tokens=20', env=env)
+    assert 'tokens identical | yes' in ' '.join(text.split())

@@ -224,7 +224,7 @@ def decode_costs(layouts, sizes, contexts, device, dtype, rounds=15):
 
 @torch.inference_mode()
 def generation_speedup(layouts, sizes, device, dtype, prompt=16, new=240, batches=(1, 8)):
-    """Greedy generation, 240 new tokens after a 16-token prompt at block 256, with and without the
+    """Greedy generation, `new` tokens after a 16-token prompt at block 256, with and without the
     cache; each way run twice, taking turns, the faster run counted."""
     rows = ["| layout | batch | tokens/s with cache | tokens/s without | speedup | identical greedy tokens |",
             "|---|---|---|---|---|---|"]
@@ -329,7 +329,7 @@ def plot_decode(costs, layouts, contexts, path):
     fig.savefig(path, dpi=110)
 
 
-def decode_report(layouts, sizes, contexts, device, dtype, out):
+def decode_report(layouts, sizes, contexts, device, dtype, out, gen_tokens=240):
     costs = decode_costs(layouts, sizes, contexts, device, dtype)
     plot_decode(costs, layouts, contexts, os.path.join(out, 'decode.png'))
     head = "| layout | " + " | ".join(f"t={t} cached / no cache" for t in contexts) + " |"
@@ -354,9 +354,9 @@ def decode_report(layouts, sizes, contexts, device, dtype, out):
         text += (f"\nOne MLA layer, decode step at t=1024: absorbed **{absorbed:.3f} ms**, explicit (K, V "
                  f"re-materialized from the latents) {explicit:.3f} ms, explicit / absorbed = "
                  f"**{explicit / absorbed:.2f}**; outputs agree to {err:.1e}.\n")
-    text += ("\n**Generation, 240 new tokens after a 16-token prompt, block 256, greedy** (the best of two "
-             "runs each way):\n\n" +
-             generation_speedup(layouts, sizes, device, dtype) +
+    text += (f"\n**Generation, {gen_tokens} new tokens after a 16-token prompt, block 256, greedy** (the best "
+             "of two runs each way):\n\n" +
+             generation_speedup(layouts, sizes, device, dtype, new=gen_tokens) +
              "\n**(c) Prefill and training step** (prefill: batch 1 into a cache; training: batch 4):\n\n" +
              train_step_times(layouts, sizes, device, dtype) + "\n![decode cost vs context](results/decode.png)\n")
     return text
@@ -393,6 +393,7 @@ def main(argv=None):
     d.add_argument('--contexts', default='64,128,256,512,1024,2048', help='comma-separated context lengths')
     d.add_argument('--device', default='cpu')
     d.add_argument('--dtype', default='float32', choices=['float32', 'bfloat16', 'float16'])
+    d.add_argument('--gen_tokens', type=int, default=240, help='new tokens in the generation speedup run')
     args = p.parse_args(argv)
     layouts = args.layouts.split(',')
     unknown = [x for x in layouts if x not in ATTN_LAYOUTS]
@@ -438,7 +439,10 @@ def main(argv=None):
         except ValueError as e:
             p.error(str(e))
         torch.manual_seed(0)
-        body = decode_report(layouts, sizes, contexts, args.device, getattr(torch, args.dtype), args.out)
+        if args.gen_tokens < 1:
+            p.error(f"--gen_tokens={args.gen_tokens} must be >= 1")
+        body = decode_report(layouts, sizes, contexts, args.device, getattr(torch, args.dtype), args.out,
+                             args.gen_tokens)
     if args.mode != 'cache':
         with open(os.path.join(args.out, f'{args.mode}.md'), 'w') as f:
             f.write(body)

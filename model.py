@@ -106,7 +106,7 @@ def attend(q, k, v, scale=None, dropout_p=0.0):
     H_kv, S = k.size(1), k.size(2)
     if L == 1 and H != H_kv:  # decode: a group's G query heads become G queries of its one K/V head
         y = F.scaled_dot_product_attention(q.view(B, H_kv, H // H_kv, D), k, v, dropout_p=dropout_p, scale=scale)
-        return y.view(B, H, 1, -1)  # (no mask: the one new position sees every key; 2-7x faster on CPU)
+        return y.view(B, H, 1, v.size(-1))  # (no mask: the one new position sees every key; 2-7x faster on CPU)
     # is_causal aligns the mask top-left, right only when L == S; one query (decode) sees every key;
     # otherwise (a chunk after a prefill) query i sees keys <= S - L + i: a right-aligned mask
     mask = None if L in (1, S) else torch.ones(L, S, dtype=torch.bool, device=q.device).tril(S - L)
@@ -230,7 +230,7 @@ def linear_chunked(q, k, v, chunk_size, state, eps=1e-6):
     A = (q @ k.transpose(-2, -1)).tril()                                        # (B, nh, N, C, C)
     num = q @ S + A @ v
     den = (q @ z.unsqueeze(-1)).squeeze(-1) + A.sum(-1)
-    out = (num / (den.unsqueeze(-1) + eps)).view(B, H, N * C, -1)[:, :, :T]
+    out = (num / (den.unsqueeze(-1) + eps)).view(B, H, N * C, v.size(-1))[:, :, :T]
     return out, (S[:, :, -1] + kv[:, :, -1], z[:, :, -1] + ksum[:, :, -1])
 
 
@@ -460,6 +460,8 @@ class GPT(nn.Module):
         tokens; when it is full it slides forward, keeping its last half, and positions restart at 0.
         Both paths use this window, so with and without the cache the tokens are the same, past
         block_size too; with the cache a slide costs one re-prefill."""
+        if idx.size(1) == 0:
+            raise ValueError("empty prompt: generation needs at least one token to condition on")
         block_size = self.config.block_size
         start, cache = max(0, idx.size(1) - block_size), None  # idx[:, start:] is the window
         for _ in range(max_new_tokens):

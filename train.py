@@ -15,6 +15,7 @@ import json
 import math
 import netrc
 import os
+import signal
 import sys
 import time
 from contextlib import nullcontext
@@ -95,6 +96,16 @@ if dtype not in ('float32', 'bfloat16', 'float16'):
     fail(f"dtype={dtype!r} should be one of float32, bfloat16, float16")
 if device.startswith('cuda') and not torch.cuda.is_available():
     fail(f"device={device!r} but CUDA is not available here; use --device=cpu")
+for key, ok, rule in (('batch_size', batch_size >= 1, '>= 1'), ('max_iters', max_iters >= 0, '>= 0'),
+                      ('learning_rate', learning_rate > 0, '> 0'), ('min_lr', 0 <= min_lr <= learning_rate,
+                      'in [0, learning_rate]'), ('eval_interval', eval_interval >= 1, '>= 1'),
+                      ('eval_iters', eval_iters >= 1, '>= 1'), ('log_interval', log_interval >= 1, '>= 1'),
+                      ('gradient_accumulation_steps', gradient_accumulation_steps >= 1, '>= 1'),
+                      ('warmup_iters', warmup_iters >= 0, '>= 0'), ('lr_decay_iters', lr_decay_iters >= 1, '>= 1'),
+                      ('weight_decay', weight_decay >= 0, '>= 0'), ('grad_clip', grad_clip >= 0, '>= 0 (0 = off)'),
+                      ('beta1', 0 <= beta1 < 1, 'in [0, 1)'), ('beta2', 0 <= beta2 < 1, 'in [0, 1)')):
+    if not ok:
+        fail(f"{key}={config[key]!r} must be {rule}")
 try:
     GPTConfig(**{k: config[k] for k in model_keys})  # check the model's fields before any work
 except ValueError as e:
@@ -118,7 +129,13 @@ else:
 tokens_per_iter = gradient_accumulation_steps * ddp_world_size * batch_size * block_size
 if master_process:
     print(f"tokens per iteration will be: {tokens_per_iter:,}")
-    os.makedirs(out_dir, exist_ok=True)
+    try:
+        os.makedirs(out_dir, exist_ok=True)
+        with open(os.path.join(out_dir, '.write-test'), 'w'):
+            pass
+        os.remove(os.path.join(out_dir, '.write-test'))
+    except OSError as e:
+        fail(f"out_dir={out_dir!r} is not writable ({e.strerror}); pass --out_dir=DIR")
 torch.manual_seed(seed + ddp_rank)
 torch.backends.cuda.matmul.allow_tf32 = True
 torch.backends.cudnn.allow_tf32 = True
@@ -143,9 +160,22 @@ if not os.path.exists(os.path.join(data_dir, 'train.bin')) and master_process:
         fail(str(e))
 if ddp:
     dist.barrier()  # the other ranks wait for rank 0 to prepare the data
-with open(os.path.join(data_dir, 'meta.json'), encoding='utf-8') as f:
-    meta = json.load(f)
-batch_gen = torch.Generator().manual_seed(seed + ddp_rank)  # the data order depends only on the seed
+try:
+    with open(os.path.join(data_dir, 'meta.json'), encoding='utf-8') as f:
+        meta = json.load(f)
+    for split in ('train', 'val'):
+        size = os.path.getsize(os.path.join(data_dir, f'{split}.bin'))
+        if size % 2 or size // 2 <= block_size:
+            raise ValueError(f"{split}.bin has {size} bytes: truncated, or too short for block_size={block_size}")
+except (OSError, ValueError) as e:
+    fail(f"dataset in {data_dir} is missing or broken ({e}); delete it and run again to prepare it anew")
+
+
+def draw(*key):
+    """A generator seeded by (seed, rank, *key): every random draw of training is a pure function of the
+    iteration, so a resumed run (DDP too) draws exactly what the uninterrupted run would have; no RNG
+    state needs saving. Integer tuples hash the same in every process."""
+    return torch.Generator().manual_seed(hash((seed, ddp_rank) + key) % 2 ** 63)
 
 
 def get_batch(split, generator):
@@ -165,13 +195,18 @@ if init_from == 'resume':
     ckpt_path = os.path.join(out_dir, 'ckpt.pt')
     if not os.path.isfile(ckpt_path):
         fail(f"init_from='resume' but there is no checkpoint at {ckpt_path}")
-    checkpoint = torch.load(ckpt_path, map_location=device, weights_only=True)
-    model_args = {k: checkpoint['model_args'][k] for k in model_keys}  # the checkpoint's shape wins
-    iter_num, best_val_loss = checkpoint['iter_num'], checkpoint['best_val_loss']
-try:
-    gptconf = GPTConfig(vocab_size=meta['vocab_size'], **model_args)
-except ValueError as e:
-    fail(str(e))
+    try:
+        checkpoint = torch.load(ckpt_path, map_location=device, weights_only=True)
+        saved = GPTConfig(**checkpoint['model_args'])
+        iter_num, best_val_loss = checkpoint['iter_num'], checkpoint['best_val_loss']
+    except Exception as e:  # truncated, corrupted, or not one of ours
+        fail(f"cannot load checkpoint {ckpt_path}: {type(e).__name__}: {str(e).splitlines()[0][:200]}")
+    asked = GPTConfig(vocab_size=meta['vocab_size'], **model_args)
+    differ = [f"{k}: checkpoint {getattr(saved, k)!r}, this run {getattr(asked, k)!r}"
+              for k in ['vocab_size'] + model_keys if getattr(saved, k) != getattr(asked, k)]
+    if differ:
+        fail(f"{ckpt_path} is another model ({'; '.join(differ)}); resume with its settings or change out_dir")
+gptconf = GPTConfig(vocab_size=meta['vocab_size'], **model_args)
 model = GPT(gptconf)
 if init_from == 'resume':
     model.load_state_dict({k.removeprefix('_orig_mod.'): v for k, v in checkpoint['model'].items()})
@@ -180,8 +215,6 @@ scaler = torch.amp.GradScaler(device_type, enabled=(dtype == 'float16' and devic
 optimizer = model.configure_optimizers(weight_decay, learning_rate, (beta1, beta2), device_type)
 if init_from == 'resume':
     optimizer.load_state_dict(checkpoint['optimizer'])
-    batch_gen.set_state(checkpoint['batch_gen'])
-    torch.set_rng_state(checkpoint['torch_rng'])
     checkpoint = None
 raw_model = model
 if compile:
@@ -202,7 +235,7 @@ def estimate_loss():
     net = model.module if ddp else model  # rank 0 alone: no DDP collectives in evaluation
     net.eval()
     for split in ('train', 'val'):
-        gen = torch.Generator().manual_seed(seed + 1000 * (split == 'val'))
+        gen = torch.Generator().manual_seed(seed + 1000 * (split == 'val'))  # the same batches every time
         losses = torch.zeros(eval_iters)
         for k in range(eval_iters):
             X, Y = get_batch(split, gen)
@@ -227,7 +260,7 @@ def save_checkpoint():
     """Written to a temp file in out_dir, flushed to disk, then renamed: a crash never leaves half a file."""
     ckpt = {'model': raw_model.state_dict(), 'optimizer': optimizer.state_dict(), 'model_args': asdict(gptconf),
             'iter_num': iter_num, 'best_val_loss': best_val_loss, 'config': config, 'meta': meta,
-            'batch_gen': batch_state, 'torch_rng': torch.get_rng_state()}
+}
     path = os.path.join(out_dir, 'ckpt.pt')
     with open(path + '.tmp', 'wb') as f:
         torch.save(ckpt, f)
@@ -269,9 +302,28 @@ if wandb_log and master_process:
     wandb.init(project=wandb_project, name=name if attn in name else f"{attn}-{name}", config=config,
                mode=mode, dir=out_dir)
 
+# Ctrl-C: finish the step under way, save, exit; every DDP rank stops at the same iteration
+interrupted = False
+
+
+def on_sigint(signum, frame):
+    global interrupted
+    interrupted = True
+
+
+signal.signal(signal.SIGINT, on_sigint)
+
+
+def stop_requested(it):
+    if not ddp:
+        return interrupted
+    flag = torch.tensor([float(interrupted)], device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    return bool(flag.item())
+
+
 # training loop
-batch_state = batch_gen.get_state()  # the state that draws X, Y: saved with a checkpoint, it redraws them
-X, Y = get_batch('train', batch_gen)
+X, Y = get_batch('train', draw(iter_num, 0))  # micro-batch 0 of iteration iter_num
 t0 = time.time()
 local_iter_num, running_mfu = 0, -1.0
 while True:
@@ -291,14 +343,25 @@ while True:
     if iter_num == max_iters or (iter_num == 0 and eval_only):
         break  # max_iters steps done, their result evaluated (and saved if best)
 
+    if stop_requested(iter_num):
+        if master_process:
+            save_checkpoint()
+            print(f"interrupted before iteration {iter_num}: checkpoint saved in {out_dir}; "
+                  f"continue with the same command plus --init_from=resume")
+        break
+
+    torch.manual_seed(hash((seed, ddp_rank, iter_num)) % 2 ** 63)  # dropout masks: a function of the iteration
     for micro_step in range(gradient_accumulation_steps):
         if ddp:  # sync gradients only at the last micro step
             model.require_backward_grad_sync = (micro_step == gradient_accumulation_steps - 1)
         with ctx:
             logits, loss = model(X, Y)
             loss = loss / gradient_accumulation_steps
-        batch_state = batch_gen.get_state()
-        X, Y = get_batch('train', batch_gen)  # prefetch the next batch while the GPU works
+        if not torch.isfinite(loss):
+            fail(f"loss is {loss.item()} at iteration {iter_num}; stopped, the last good checkpoint in "
+                 f"{out_dir} is kept (try a lower learning_rate)")
+        nxt = micro_step + 1  # prefetch the next micro-batch while the GPU works
+        X, Y = get_batch('train', draw(iter_num + nxt // gradient_accumulation_steps, nxt % gradient_accumulation_steps))
         scaler.scale(loss).backward()
     if grad_clip != 0.0:
         scaler.unscale_(optimizer)
@@ -311,8 +374,6 @@ while True:
     dt, t0 = t1 - t0, t1
     if iter_num % log_interval == 0 and master_process:
         lossf = loss.item() * gradient_accumulation_steps
-        if not math.isfinite(lossf):
-            fail(f"loss is {lossf} at iteration {iter_num}; the last good checkpoint in {out_dir} is kept")
         if local_iter_num >= 5:  # let the loop settle before measuring
             mfu = raw_model.estimate_mfu(batch_size * gradient_accumulation_steps, dt)
             running_mfu = mfu if running_mfu == -1.0 else 0.9 * running_mfu + 0.1 * mfu

@@ -73,8 +73,10 @@ def test_top_p_tiny_is_greedy_and_top_k_one_is_greedy(ckpt_dir):
     (['--start=FILE:/no/such'], "cannot read the prompt file '/no/such'"),
 ])
 def test_bad_input_is_one_line(ckpt_dir, args, message):
+    before = open(os.path.join(ckpt_dir, 'ckpt.pt'), 'rb').read()
     r = run('sample.py', f'--out_dir={ckpt_dir}', *args)
     assert r.returncode == 2 and message in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert open(os.path.join(ckpt_dir, 'ckpt.pt'), 'rb').read() == before
 
 
 def test_missing_checkpoint(tmp_path):

@@ -1,0 +1,170 @@
+"""Nothing lost, nothing unsafe: bad input is one line and exit 2 and leaves existing checkpoints
+alone; Ctrl-C saves; SIGKILL never leaves a checkpoint that does not load; no pickle anywhere."""
+import hashlib
+import os
+import random
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from conftest import ROOT
+from test_train import TINY, environ, train
+
+
+@pytest.fixture(scope='module')
+def trained(tmp_path_factory, char_data):
+    """A tiny checkpoint (for resume and sample.py) and its fingerprint."""
+    out = tmp_path_factory.mktemp('reliability')
+    train(out, char_data, '--max_iters=4', '--eval_interval=2', '--always_save_checkpoint=True')
+    return out
+
+
+def digest(path):
+    with open(path, 'rb') as f:
+        return hashlib.sha256(f.read()).hexdigest()
+
+
+def broken_data(tmp, char_data, kind):
+    d = tmp / f'data-{kind}'
+    shutil.copytree(char_data, d)
+    if kind == 'truncated':
+        with open(d / 'val.bin', 'r+b') as f:
+            f.truncate(31)
+    else:
+        os.remove(d / 'meta.json')
+    return d
+
+
+TRAIN_CASES = [
+    (['--learning_rate=0'], "learning_rate=0.0 must be > 0"),
+    (['--batch_size=0'], "batch_size=0 must be >= 1"),
+    (['--block_size=0'], "GPTConfig.block_size=0 is invalid"),
+    (['--n_layer=-2'], "GPTConfig.n_layer=-2 is invalid"),
+    (['--n_head=3'], "GPTConfig.n_embd=64 is invalid: must be divisible by n_head=3"),
+    (['--max_iters=-1'], "max_iters=-1 must be >= 0"),
+    (['--eval_iters=0'], "eval_iters=0 must be >= 1"),
+    (['--dropout=1.5'], "GPTConfig.dropout=1.5 is invalid"),
+    (['--device=cuda'], "CUDA is not available here"),
+    (['--dataset=nope', '--data_dir='], "dataset='nope' is unknown"),
+    (['--data_dir=TRUNCATED'], "val.bin has 31 bytes: truncated"),
+    (['--data_dir=NOMETA'], "meta.json"),
+    (['--init_from=resume', '--attn=mla'], "is another model (attn: checkpoint 'mha', this run 'mla'"),
+    (['--init_from=resume', '--out_dir=CORRUPT'], "cannot load checkpoint"),
+    (['--init_from=resume', '--learning_rate=1e12', '--grad_clip=0', '--max_iters=200', '--eval_interval=1000'],
+     "loss is nan at iteration"),
+    (['--out_dir=/proc/forbidden'], "is not writable"),
+]
+
+
+@pytest.mark.parametrize('args,message', TRAIN_CASES, ids=[' '.join(a) for a, _ in TRAIN_CASES])
+def test_train_bad_input(tmp_path, char_data, trained, args, message):
+    before = digest(trained / 'ckpt.pt')
+    corrupt = tmp_path / 'corrupt'
+    corrupt.mkdir()
+    (corrupt / 'ckpt.pt').write_bytes((trained / 'ckpt.pt').read_bytes()[:5000])  # truncated copy
+    subst = {'TRUNCATED': lambda: broken_data(tmp_path, char_data, 'truncated'),
+             'NOMETA': lambda: broken_data(tmp_path, char_data, 'nometa'), 'CORRUPT': lambda: corrupt}
+    argv = []
+    for a in args:
+        key, _, value = a.partition('=')
+        argv.append(f"{key}={subst[value]()}" if value in subst else a)
+    r = subprocess.run([sys.executable, 'train.py', *TINY, f'--out_dir={trained}', f'--data_dir={char_data}', *argv],
+                       cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert message in r.stderr and 'Traceback' not in r.stderr, r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert digest(trained / 'ckpt.pt') == before  # nothing already saved is lost
+
+
+SAMPLE_CASES = [  # (prompt and sampling values: tests/test_sample.py)
+    (['--device=cuda'], "CUDA is not available here"),
+    (['--num_samples=0'], "num_samples=0 must be >= 1"),
+    (['--out_dir=CORRUPT'], "cannot load checkpoint"),
+]
+
+
+@pytest.mark.parametrize('args,message', SAMPLE_CASES, ids=[' '.join(a) for a, _ in SAMPLE_CASES])
+def test_sample_bad_input(tmp_path, trained, args, message):
+    before = digest(trained / 'ckpt.pt')
+    (tmp_path / 'ckpt.pt').write_bytes(b'not a checkpoint at all')
+    argv = [a.replace('CORRUPT', str(tmp_path)) for a in args]
+    r = subprocess.run([sys.executable, 'sample.py', f'--out_dir={trained}', *argv], cwd=ROOT,
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and message in r.stderr and 'Traceback' not in r.stderr, r.stderr
+    assert digest(trained / 'ckpt.pt') == before
+
+
+def test_sigint_saves_and_says_how_to_resume(tmp_path, char_data):
+    p = subprocess.Popen([sys.executable, 'train.py', *TINY, f'--out_dir={tmp_path}', f'--data_dir={char_data}',
+                          '--max_iters=100000', '--eval_interval=100000'], cwd=ROOT, stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 60
+    while not os.path.exists(tmp_path / 'metrics.jsonl') or os.path.getsize(tmp_path / 'metrics.jsonl') < 400:
+        assert time.time() < deadline and p.poll() is None
+        time.sleep(0.1)
+    p.send_signal(signal.SIGINT)
+    out, err = p.communicate(timeout=60)
+    assert p.returncode == 0, err
+    m = re.search(r"interrupted before iteration (\d+): checkpoint saved in .*--init_from=resume", out)
+    assert m, out
+    ckpt = torch.load(tmp_path / 'ckpt.pt', weights_only=True)
+    assert ckpt['iter_num'] == int(m.group(1)) > 0
+
+
+def test_sigkill_at_random_moments_never_breaks_the_checkpoint(tmp_path, char_data):
+    """10 kills at random moments of a run that saves every 2 iterations (so many land in a save);
+    after each, the checkpoint loads and the next try resumes from it."""
+    rng = random.Random(0)
+    args = [sys.executable, 'train.py', *TINY, f'--out_dir={tmp_path}', f'--data_dir={char_data}',
+            '--max_iters=100000', '--eval_interval=2', '--eval_iters=1', '--always_save_checkpoint=True']
+    iters = []
+    for attempt in range(10):
+        resume = ['--init_from=resume'] if os.path.exists(tmp_path / 'ckpt.pt') else []
+        log = tmp_path / 'metrics.jsonl'
+        seen = os.path.getsize(log) if resume else 0
+        p = subprocess.Popen(args + resume, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                             env=environ(None))
+        deadline = time.time() + 60
+        while not (os.path.exists(log) and os.path.getsize(log) > seen) and p.poll() is None:
+            assert time.time() < deadline
+            time.sleep(0.02)  # wait until it trains: then a few saves a second, a kill often lands in one
+        time.sleep(rng.uniform(0.0, 1.0))
+        p.kill()
+        p.wait()
+        if os.path.exists(tmp_path / 'ckpt.pt'):
+            ckpt = torch.load(tmp_path / 'ckpt.pt', weights_only=True)
+            iters.append(ckpt['iter_num'])
+    assert len(iters) == 10 and iters == sorted(iters) and iters[-1] > iters[0]  # progress across resumes
+    train(tmp_path, char_data, '--init_from=resume', f'--max_iters={iters[-1] + 2}', '--eval_interval=2',
+          '--eval_iters=1')
+
+
+def test_no_pickle_anywhere():
+    """Checkpoints are loaded with weights_only=True everywhere; vocabularies are JSON."""
+    offenders = []
+    for folder, _, files in os.walk(ROOT):
+        if any(part.startswith('.') or part in ('results', 'wandb', '__pycache__') for part in
+               os.path.relpath(folder, ROOT).split(os.sep)):
+            continue
+        for name in files:
+            if name.endswith('.py') and name != 'test_reliability.py':
+                text = open(os.path.join(folder, name), encoding='utf-8').read()
+                if re.search(r"^\s*import pickle|pickle\.load|torch\.load\((?![^)]*weights_only=True)", text, re.M):
+                    offenders.append(name)
+    assert offenders == []
+
+
+def test_generate_limits(attn):
+    from conftest import make_model
+    model = make_model(attn)
+    with pytest.raises(ValueError, match='empty prompt'):
+        model.generate(torch.zeros(1, 0, dtype=torch.long), 5)
+    for use_cache in (True, False):  # batch size 0: nothing to do, no error
+        assert model.generate(torch.zeros(0, 3, dtype=torch.long), 5, use_cache=use_cache).shape == (0, 8)
+    assert model.generate(torch.zeros(2, 3, dtype=torch.long), 0).shape == (2, 3)

@@ -370,8 +370,13 @@ def replace_readme_section(text, name, body):
     return pattern.sub(lambda _: f"{start}\n{body}{end}", text)
 
 
+class Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line, not argparse's usage block
+        self.exit(2, f"error: {message} (see: python {self.prog} --help)\n")
+
+
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest='mode', required=True)
     modes = {'cache': 'cache elements/bytes per token at the default config, formula vs measured',
              'train': 'train the CPU preset for each layout: losses, ms/iter, val-loss plot',

@@ -95,7 +95,8 @@ def apply_rope(x, rope):
     if rope is None:
         return x
     xc = x.to(torch.promote_types(x.dtype, torch.float32)).unflatten(-1, (-1, 2))
-    xc = torch.view_as_complex(xc if xc.storage_offset() % 2 == 0 else xc.contiguous())
+    aligned = xc.storage_offset() % 2 == 0 and all(st % 2 == 0 for st in xc.stride()[:-2])  # for a complex view
+    xc = torch.view_as_complex(xc if aligned else xc.clone(memory_format=torch.contiguous_format))
     return torch.view_as_real(xc * rope).flatten(-2).type_as(x)
 
 

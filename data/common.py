@@ -70,7 +70,10 @@ def cli(prepare, description):
     import argparse
     import sys
     here = os.path.dirname(os.path.abspath(sys.argv[0]))
-    p = argparse.ArgumentParser(description=description)
+    class Parser(argparse.ArgumentParser):
+        def error(self, message):  # one line, not argparse's usage block
+            self.exit(1, f"error: {message} (see: python {self.prog} --help)\n")
+    p = Parser(description=description)
     p.add_argument('--input', help=f'local input.txt (default: ${ENV}, else download)')
     p.add_argument('--out_dir', default=here, help='where train.bin, val.bin, meta.json go (default: beside this script)')
     args = p.parse_args()

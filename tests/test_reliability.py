@@ -131,15 +131,16 @@ def test_sigkill_at_random_moments_never_breaks_the_checkpoint(tmp_path, char_da
         p = subprocess.Popen(args + resume, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                              env=environ(None))
         deadline = time.time() + 60
-        while not (os.path.exists(log) and os.path.getsize(log) > seen) and p.poll() is None:
+        while not (os.path.exists(log) and os.path.getsize(log) > seen and os.path.exists(tmp_path / 'ckpt.pt')) \
+                and p.poll() is None:
             assert time.time() < deadline
             time.sleep(0.02)  # wait until it trains: then a few saves a second, a kill often lands in one
         time.sleep(rng.uniform(0.0, 1.0))
         p.kill()
         p.wait()
-        if os.path.exists(tmp_path / 'ckpt.pt'):
-            ckpt = torch.load(tmp_path / 'ckpt.pt', weights_only=True)
-            iters.append(ckpt['iter_num'])
+        assert p.returncode == -signal.SIGKILL, p.stderr.read()  # it was still running: killed, not crashed
+        ckpt = torch.load(tmp_path / 'ckpt.pt', weights_only=True)
+        iters.append(ckpt['iter_num'])
     assert len(iters) == 10 and iters == sorted(iters) and iters[-1] > iters[0]  # progress across resumes
     train(tmp_path, char_data, '--init_from=resume', f'--max_iters={iters[-1] + 2}', '--eval_interval=2',
           '--eval_iters=1')

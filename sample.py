@@ -6,7 +6,6 @@ Sample from a trained checkpoint, with or without the cache, or both side by sid
     python sample.py --out_dir=out-shakespeare-char-mla --compare            # both ways: same tokens? speed? bytes?
     python sample.py --start=FILE:prompt.txt --num_samples=1 --temperature=0
 """
-import json
 import os
 import sys
 import time

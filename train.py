@@ -314,7 +314,7 @@ def on_sigint(signum, frame):
 signal.signal(signal.SIGINT, on_sigint)
 
 
-def stop_requested(it):
+def stop_requested():
     if not ddp:
         return interrupted
     flag = torch.tensor([float(interrupted)], device=device)
@@ -343,7 +343,7 @@ while True:
     if iter_num == max_iters or (iter_num == 0 and eval_only):
         break  # max_iters steps done, their result evaluated (and saved if best)
 
-    if stop_requested(iter_num):
+    if stop_requested():
         if master_process:
             save_checkpoint()
             print(f"interrupted before iteration {iter_num}: checkpoint saved in {out_dir}; "

@@ -27,7 +27,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from configurator import configure, fail
-from model import GPT, GPTConfig
+from model import GPT, GPTConfig, pool_kv_heads
 
 # -----------------------------------------------------------------------------
 # defaults: nanoGPT's baby GPT on shakespeare_char
@@ -90,8 +90,8 @@ globals().update(config)
 model_keys = [f.name for f in fields(GPTConfig) if f.name != 'vocab_size']
 # -----------------------------------------------------------------------------
 
-if init_from not in ('scratch', 'resume'):
-    fail(f"init_from={init_from!r} should be 'scratch' or 'resume'")
+if init_from not in ('scratch', 'resume') and not os.path.isfile(os.path.join(init_from, 'ckpt.pt')):
+    fail(f"init_from={init_from!r} should be 'scratch', 'resume', or an out_dir with an MHA ckpt.pt to convert")
 if dtype not in ('float32', 'bfloat16', 'float16'):
     fail(f"dtype={dtype!r} should be one of float32, bfloat16, float16")
 if device.startswith('cuda') and not torch.cuda.is_available():
@@ -206,10 +206,28 @@ if init_from == 'resume':
               for k in ['vocab_size'] + model_keys if getattr(saved, k) != getattr(asked, k)]
     if differ:
         fail(f"{ckpt_path} is another model ({'; '.join(differ)}); resume with its settings or change out_dir")
+elif init_from != 'scratch':  # MHA -> GQA/MQA: mean-pool the K/V heads of init_from/ckpt.pt, then train on
+    try:
+        source = torch.load(os.path.join(init_from, 'ckpt.pt'), map_location=device, weights_only=True)
+        source_cfg = GPTConfig(**source['model_args'])
+    except Exception as e:
+        fail(f"cannot load checkpoint {init_from}/ckpt.pt: {type(e).__name__}: {str(e).splitlines()[0][:200]}")
+    if attn not in ('mha', 'gqa', 'mqa') or source_cfg.vocab_size != meta['vocab_size']:
+        fail(f"converting {init_from} needs attn in mha/gqa/mqa (not {attn!r}) and the same vocabulary")
+    model_args = {**{k: getattr(source_cfg, k) for k in model_keys}, 'attn': attn, 'n_kv_head': n_kv_head,
+                  'match_mha_params': False, 'dropout': dropout}  # its shape, this run's heads; MLP kept
 gptconf = GPTConfig(vocab_size=meta['vocab_size'], **model_args)
 model = GPT(gptconf)
 if init_from == 'resume':
     model.load_state_dict({k.removeprefix('_orig_mod.'): v for k, v in checkpoint['model'].items()})
+elif init_from != 'scratch':
+    try:
+        model.load_state_dict(pool_kv_heads({k.removeprefix('_orig_mod.'): v for k, v in source['model'].items()},
+                                            source_cfg, gptconf.n_kv_head))
+    except ValueError as e:
+        fail(f"cannot convert {init_from}: {e}")
+    print(f"converted {init_from} ({source_cfg.attn}, {source_cfg.n_head} K/V heads) to {attn} with "
+          f"{gptconf.n_kv_head} K/V heads by mean-pooling")
 model.to(device)
 scaler = torch.amp.GradScaler(device_type, enabled=(dtype == 'float16' and device_type == 'cuda'))
 optimizer = model.configure_optimizers(weight_decay, learning_rate, (beta1, beta2), device_type)

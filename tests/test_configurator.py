@@ -48,7 +48,7 @@ def test_unknown_key_in_a_config_file(tmp_path, capsys):
     (['--n_layr=2'], "unknown config key 'n_layr' in --n_layr (did you mean 'n_layer'?)"),
     (['--attn=flash'], "GPTConfig.attn='flash' is invalid: must be one of ('mha', 'gqa', 'mqa', 'mla', 'linear')"),
     (['--n_kv_head=4', '--attn=gqa'], "GPTConfig.n_kv_head=4 is invalid"),
-    (['--init_from=gpt2'], "init_from='gpt2' should be 'scratch' or 'resume'"),
+    (['--init_from=gpt2'], "init_from='gpt2' should be 'scratch', 'resume', or an out_dir with an MHA ckpt.pt"),
 ])
 def test_train_py_bad_input_exits_with_one_line(tmp_path, args, message, char_data):
     r = subprocess.run([sys.executable, 'train.py', 'config/cpu.py', f'--out_dir={tmp_path}/out',

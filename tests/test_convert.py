@@ -1,0 +1,76 @@
+"""MHA -> GQA / MQA conversion by mean-pooling K/V heads (Ainslie et al. 2023)."""
+from dataclasses import replace
+
+import pytest
+import torch
+
+from conftest import make_model, full_logits
+from model import GPT, pool_kv_heads
+
+
+def convert(mha, n_kv_head):
+    attn = 'mqa' if n_kv_head == 1 else 'mha' if n_kv_head == mha.config.n_head else 'gqa'
+    cfg = replace(mha.config, attn=attn, n_kv_head=n_kv_head)
+    model = GPT(cfg).to(torch.float64).eval()
+    model.load_state_dict(pool_kv_heads(mha.state_dict(), mha.config, n_kv_head))
+    return model
+
+
+@pytest.mark.parametrize('bias', [False, True])
+def test_same_head_count_is_exact(bias):
+    mha = make_model('mha', bias=bias)
+    idx = torch.randint(0, 40, (2, 20))
+    assert torch.equal(full_logits(convert(mha, 4), idx), full_logits(mha, idx))
+
+
+@pytest.mark.parametrize('n_kv_head', [2, 1])
+def test_group_means_and_hand_averaged_reference(n_kv_head):
+    mha = make_model('mha', bias=True)
+    model = convert(mha, n_kv_head)
+    H, hd, C, G = 4, 8, 32, 4 // n_kv_head
+    for src, dst in zip(mha.transformer.h, model.transformer.h):
+        for part in ('weight', 'bias'):
+            w, c = getattr(src.attn.c_attn, part), getattr(dst.attn.c_attn, part)
+            for i, off in ((1, C), (2, C + n_kv_head * hd)):  # k, then v
+                heads = w[i * C:(i + 1) * C].view(H, hd, *w.shape[1:])
+                for g in range(n_kv_head):
+                    torch.testing.assert_close(c[off + g * hd:off + (g + 1) * hd], heads[g * G:(g + 1) * G].mean(0))
+    # reference by hand: the MHA model with every head's K/V replaced by its group's mean, run as MHA
+    ref = make_model('mha', bias=True)
+    with torch.no_grad():
+        for blk in ref.transformer.h:
+            for p in (blk.attn.c_attn.weight, blk.attn.c_attn.bias):
+                for i in (1, 2):
+                    heads = p[i * C:(i + 1) * C].view(H, hd, *p.shape[1:])
+                    heads.copy_(heads.view(n_kv_head, G, hd, *p.shape[1:]).mean(1, keepdim=True)
+                                .expand(-1, G, *heads.shape[1:]).reshape(heads.shape))
+    idx = torch.randint(0, 40, (2, 20))
+    torch.testing.assert_close(full_logits(model, idx), full_logits(ref, idx), atol=1e-10, rtol=0)
+    assert not torch.allclose(full_logits(model, idx), full_logits(mha, idx), atol=1e-3)  # it did change
+
+
+@pytest.mark.parametrize('attn', ['mla', 'linear', 'gqa'])
+def test_other_layouts_are_refused(attn):
+    model = make_model(attn)
+    with pytest.raises(ValueError, match=f"mean-pools the K/V heads of an 'mha' checkpoint; this one is '{attn}'"):
+        pool_kv_heads(model.state_dict(), model.config, 1)
+
+
+def test_train_py_converts_an_mha_checkpoint(tmp_path, char_data):
+    from test_train import train, metrics
+    train(tmp_path / 'mha', char_data, '--max_iters=10', '--eval_interval=5')
+    r = train(tmp_path / 'gqa', char_data, '--attn=gqa', '--n_kv_head=2', f'--init_from={tmp_path / "mha"}',
+              '--max_iters=4', '--eval_interval=2', '--match_mha_params=True')
+    assert 'to gqa with 2 K/V heads by mean-pooling' in r.stdout
+    ckpt = torch.load(tmp_path / 'gqa' / 'ckpt.pt', weights_only=True)
+    assert ckpt['model_args']['attn'] == 'gqa' and ckpt['model_args']['n_kv_head'] == 2
+    assert ckpt['model_args']['match_mha_params'] is False  # the MHA checkpoint's MLP is kept
+    first = metrics(tmp_path / 'gqa')[0]['val/loss']
+    assert first < metrics(tmp_path / 'mha')[0]['val/loss'] - 0.3  # starts from the trained model, not scratch
+    import subprocess, sys
+    from conftest import ROOT
+    from test_train import TINY
+    bad = subprocess.run([sys.executable, 'train.py', *TINY, '--attn=gqa', f'--init_from={tmp_path / "gqa"}',
+                          f'--out_dir={tmp_path / "x"}', f'--data_dir={char_data}'], cwd=ROOT,
+                         capture_output=True, text=True)
+    assert bad.returncode == 2 and "this one is 'gqa'" in bad.stderr and 'Traceback' not in bad.stderr

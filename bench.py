@@ -329,7 +329,7 @@ def plot_decode(costs, layouts, contexts, path):
     fig.savefig(path, dpi=110)
 
 
-def decode_report(layouts, sizes, contexts, device, dtype, out, gen_tokens=240):
+def decode_report(layouts, sizes, contexts, device, dtype, out, gen_tokens=240, step_T=(256, 1024)):
     costs = decode_costs(layouts, sizes, contexts, device, dtype)
     plot_decode(costs, layouts, contexts, os.path.join(out, 'decode.png'))
     head = "| layout | " + " | ".join(f"t={t} cached / no cache" for t in contexts) + " |"
@@ -358,7 +358,7 @@ def decode_report(layouts, sizes, contexts, device, dtype, out, gen_tokens=240):
              "of two runs each way):\n\n" +
              generation_speedup(layouts, sizes, device, dtype, new=gen_tokens) +
              "\n**(c) Prefill and training step** (prefill: batch 1 into a cache; training: batch 4):\n\n" +
-             train_step_times(layouts, sizes, device, dtype) + "\n![decode cost vs context](results/decode.png)\n")
+             train_step_times(layouts, sizes, device, dtype, step_T) + "\n![decode cost vs context](results/decode.png)\n")
     return text
 
 
@@ -399,6 +399,7 @@ def main(argv=None):
     d.add_argument('--device', default='cpu')
     d.add_argument('--dtype', default='float32', choices=['float32', 'bfloat16', 'float16'])
     d.add_argument('--gen_tokens', type=int, default=240, help='new tokens in the generation speedup run')
+    d.add_argument('--step_T', default='256,1024', help='sequence lengths of the prefill / training-step table')
     args = p.parse_args(argv)
     layouts = args.layouts.split(',')
     unknown = [x for x in layouts if x not in ATTN_LAYOUTS]
@@ -446,8 +447,12 @@ def main(argv=None):
         torch.manual_seed(0)
         if args.gen_tokens < 1:
             p.error(f"--gen_tokens={args.gen_tokens} must be >= 1")
+        try:
+            step_T = tuple(int(t) for t in args.step_T.split(','))
+        except ValueError:
+            p.error(f"--step_T {args.step_T!r}: give comma-separated integers")
         body = decode_report(layouts, sizes, contexts, args.device, getattr(torch, args.dtype), args.out,
-                             args.gen_tokens)
+                             args.gen_tokens, step_T)
     if args.mode != 'cache':
         with open(os.path.join(args.out, f'{args.mode}.md'), 'w') as f:
             f.write(body)

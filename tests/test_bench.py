@@ -14,7 +14,7 @@ def bench(*args):
 
 
 def test_decode_report_on_a_tiny_model(tmp_path):
-    out = bench('decode', '--n_layer=1', '--n_head=4', '--n_embd=16', '--contexts=8,32', '--gen_tokens=12',
+    out = bench('decode', '--n_layer=1', '--n_head=4', '--n_embd=16', '--contexts=8,32', '--gen_tokens=12', '--step_T=32',
                 f'--out={tmp_path}')
     assert out.startswith((tmp_path / 'decode.md').read_text())
     assert (tmp_path / 'decode.png').stat().st_size > 10_000

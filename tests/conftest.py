@@ -9,7 +9,11 @@ sys.path.insert(0, ROOT)
 
 from model import GPT, GPTConfig, ATTN_LAYOUTS  # noqa: E402
 
-torch.set_num_threads(2)
+if os.environ.get('PYTEST_XDIST_WORKER'):  # pytest -n 2 on 2 cores: one thread per worker and per subprocess,
+    os.environ['OMP_NUM_THREADS'] = '1'    # else OpenMP threads oversubscribe the cores and spin (5-30x slower)
+    torch.set_num_threads(1)
+else:
+    torch.set_num_threads(2)
 
 # Tiny but complete: 2 layers, 4 query heads (GQA: 2 K/V heads), head dim 8, MLA d_c 16 / d_R 4.
 TINY = dict(block_size=32, vocab_size=40, n_layer=2, n_head=4, n_embd=32,

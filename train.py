@@ -27,7 +27,8 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from configurator import configure, fail
-from model import GPT, GPTConfig, pool_kv_heads
+from convert import pool_kv_heads
+from model import GPT, GPTConfig
 
 # -----------------------------------------------------------------------------
 # defaults: nanoGPT's baby GPT on shakespeare_char
@@ -208,7 +209,8 @@ if init_from == 'resume':
         fail(f"{ckpt_path} is another model ({'; '.join(differ)}); resume with its settings or change out_dir")
 elif init_from != 'scratch':  # MHA -> GQA/MQA: mean-pool the K/V heads of init_from/ckpt.pt, then train on
     try:
-        source = torch.load(os.path.join(init_from, 'ckpt.pt'), map_location=device, weights_only=True)
+        source_path = os.path.join(init_from, 'ckpt.pt')
+        source = torch.load(source_path, map_location=device, weights_only=True)
         source_cfg = GPTConfig(**source['model_args'])
     except Exception as e:
         fail(f"cannot load checkpoint {init_from}/ckpt.pt: {type(e).__name__}: {str(e).splitlines()[0][:200]}")

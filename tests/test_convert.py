@@ -5,7 +5,8 @@ import pytest
 import torch
 
 from conftest import make_model, full_logits
-from model import GPT, pool_kv_heads
+from convert import pool_kv_heads
+from model import GPT
 
 
 def convert(mha, n_kv_head):

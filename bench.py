@@ -5,6 +5,8 @@ Benchmarks that print numbers measured side by side in one run (never timed test
     python bench.py cache --readme        # ... and rewrite the table in README.md
     python bench.py train                 # the CPU preset for every layout: losses, speed, curves
     python bench.py train --nanogpt PATH  # ... plus training-step time next to nanoGPT's model.py at PATH
+    python bench.py decode                # cache memory, decode cost vs context, cached vs uncached generation
+    python bench.py convert               # MHA -> GQA / MQA by mean-pooling K/V heads, then uptraining
 """
 import argparse
 import importlib.util
@@ -65,24 +67,25 @@ def machine():
     return f"{cpu}, {os.cpu_count()} cores, torch {torch.__version__}, {torch.get_num_threads()} threads"
 
 
+def train_run(run_dir, args):
+    """train.py with args into a fresh run_dir; returns its metrics.jsonl rows and its parameter count."""
+    shutil.rmtree(run_dir, ignore_errors=True)
+    cmd = [sys.executable, 'train.py', *args, f'--out_dir={run_dir}', '--wandb_log=False']
+    print(' '.join(cmd), file=sys.stderr)
+    r = subprocess.run(cmd, capture_output=True, text=True)
+    if r.returncode:
+        raise SystemExit(f"error: train.py failed in {run_dir}: {r.stderr.strip().splitlines()[-1:]}")
+    with open(os.path.join(run_dir, 'metrics.jsonl')) as f:
+        rows = [json.loads(line) for line in f]
+    return dict(rows=rows, params=re.search(r"([\d.]+)M parameters", r.stdout).group(1))
+
+
 def train_runs(layouts, out, max_iters, extra=()):
     """Run train.py on the CPU preset for each layout (same seed, same batches); return its metrics."""
-    runs = {}
-    for attn in layouts:
-        run_dir = os.path.join(out, 'train', attn)
-        shutil.rmtree(run_dir, ignore_errors=True)
-        cmd = [sys.executable, 'train.py', f'config/{attn}.py', 'config/cpu.py', f'--out_dir={run_dir}',
-               f'--max_iters={max_iters}', f'--lr_decay_iters={max_iters}', '--eval_interval=100',
-               '--log_interval=1', '--wandb_log=False', *extra]
-        print(' '.join(cmd), file=sys.stderr)
-        r = subprocess.run(cmd, capture_output=True, text=True)
-        if r.returncode:
-            raise SystemExit(f"error: train.py failed for {attn}: {r.stderr.strip().splitlines()[-1:]}")
-        with open(os.path.join(run_dir, 'metrics.jsonl')) as f:
-            rows = [json.loads(line) for line in f]
-        params = re.search(r"([\d.]+)M parameters", r.stdout).group(1)
-        runs[attn] = dict(rows=rows, params=params)
-    return runs
+    return {attn: train_run(os.path.join(out, 'train', attn),
+                            [f'config/{attn}.py', 'config/cpu.py', f'--max_iters={max_iters}',
+                             f'--lr_decay_iters={max_iters}', '--eval_interval=100', '--log_interval=1', *extra])
+            for attn in layouts}
 
 
 def train_table(runs):
@@ -113,6 +116,77 @@ def plot_curves(runs, path):
     ax.set_title('tiny Shakespeare (char), CPU preset: 4 layers, 4 heads, 128 wide, block 64')
     ax.grid(alpha=0.3)
     ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def convert_runs(out, max_iters, uptrain, lr, extra=()):
+    """Ainslie et al. 2023 on the CPU preset: MHA trained max_iters; GQA (2 K/V heads) and MQA trained from
+    scratch as long, in the converted models' shape (MHA's MLP); GQA and MQA mean-pooled from the MHA
+    checkpoint, then uptrained for each number of iterations in uptrain (peak lr, warmup a tenth, cosine to lr / 10).
+    Evaluated at the start and the end only, every run on the same 200 val batches."""
+    base = ['config/cpu.py', '--eval_iters=200', '--log_interval=1000000', *extra]
+
+    def run(name, config, iters, *args):
+        return train_run(os.path.join(out, 'convert', name), [config, *base, f'--max_iters={iters}',
+                         f'--lr_decay_iters={max(iters, 1)}', f'--eval_interval={max(iters, 1)}', *args])
+    runs = {'mha': run('mha', 'config/mha.py', max_iters)}
+    for attn in ('gqa', 'mqa'):
+        runs[attn, 'scratch'] = run(f'{attn}-scratch', f'config/{attn}.py', max_iters, '--match_mha_params=False')
+        for n in uptrain:
+            runs[attn, n] = run(f'{attn}-uptrain-{n}', f'config/{attn}.py', n,
+                                f"--init_from={os.path.join(out, 'convert', 'mha')}", f'--warmup_iters={n // 10}',
+                                f'--learning_rate={lr}', f'--min_lr={lr / 10}')
+    for run_ in runs.values():
+        run_['val'] = [r for r in run_['rows'] if 'val/loss' in r][-1]
+    return runs
+
+
+def convert_table(runs, max_iters, uptrain, lr):
+    mha = runs['mha']['val']['val/loss']
+    name = {'mha': 'MHA', 'gqa': 'GQA, 2 K/V heads', 'mqa': 'MQA'}
+    lines = ["| model | made by | iterations | params | cache bytes/token (fp32) | val loss | minus MHA's |",
+             "|---|---|---|---|---|---|---|"]
+
+    def row(label, how, iters, run):
+        val = run['val']
+        lines.append(f"| {label} | {how} | {iters} | {run['params']}M | {val['cache_bytes_per_token']:,.0f} | "
+                     f"{val['val/loss']:.4f} | {val['val/loss'] - mha:+.4f} |")
+    row('MHA', 'trained from scratch', f'{max_iters:,}', runs['mha'])
+    recovered = []
+    for attn in ('gqa', 'mqa'):
+        row(name[attn], 'trained from scratch', f'{max_iters:,}', runs[attn, 'scratch'])
+        for n in uptrain:
+            how = f'MHA mean-pooled, uptrained {n / max_iters:.1%}' if n else 'MHA mean-pooled, no uptraining'
+            row(name[attn], how, f'{max_iters:,} + {n:,}', runs[attn, n])
+        n5 = round(0.05 * max_iters)
+        if 0 in uptrain and n5 in uptrain and n5 > 0:
+            l0, l5 = runs[attn, 0]['val']['val/loss'], runs[attn, n5]['val']['val/loss']
+            recovered.append(f"{name[attn]} {(l0 - l5) / (l0 - mha):.0%}" if l0 > mha else f"{name[attn]}: no gap")
+    text = "\n".join(lines) + "\n"
+    if recovered:
+        text += ("\nShare of the gap to MHA opened by mean-pooling that 5% uptraining closes: " +
+                 ", ".join(recovered) + ".\n")
+    return text + f"\nUptraining: peak learning rate {lr:g}, warmup a tenth of the run, cosine to {lr / 10:g}.\n"
+
+
+def plot_convert(runs, max_iters, uptrain, path):
+    import matplotlib
+    matplotlib.use('Agg')
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    xs = [100 * n / max_iters for n in uptrain]
+    ax.axhline(runs['mha']['val']['val/loss'], color='black', ls='--', label=f'MHA, {max_iters} iters')
+    for attn, color in (('gqa', 'tab:blue'), ('mqa', 'tab:orange')):
+        ax.plot(xs, [runs[attn, n]['val']['val/loss'] for n in uptrain], color=color,
+                marker='o', label=f'{attn.upper()} mean-pooled from MHA, then uptrained')
+        ax.axhline(runs[attn, 'scratch']['val']['val/loss'], color=color, ls=':',
+                   label=f'{attn.upper()} from scratch, {max_iters} iters')
+    ax.set_xlabel("uptraining iterations, % of MHA's training")
+    ax.set_ylabel('val loss')
+    ax.set_title('MHA -> GQA / MQA: K/V heads mean-pooled, then uptrained (CPU preset)')
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
@@ -222,12 +296,21 @@ def decode_costs(layouts, sizes, contexts, device, dtype, rounds=15):
     return out
 
 
+def weight_read_floor(model, batch, device, reps=20):
+    """Seconds per generated token that no cached step can beat: every Linear weight times `batch`
+    vectors, once (a cached step reads all the weights; at batch 1 that is memory-bound)."""
+    ws = [m.weight for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    xs = [torch.randn(batch, w.size(1), device=device, dtype=w.dtype) for w in ws]
+    return timed(lambda: [torch.nn.functional.linear(x, w) for x, w in zip(xs, ws)], device, reps) / batch
+
+
 @torch.inference_mode()
 def generation_speedup(layouts, sizes, device, dtype, prompt=16, new=240, batches=(1, 8)):
     """Greedy generation, `new` tokens after a 16-token prompt at block 256, with and without the
-    cache; each way run twice, taking turns, the faster run counted."""
-    rows = ["| layout | batch | tokens/s with cache | tokens/s without | speedup | identical greedy tokens |",
-            "|---|---|---|---|---|---|"]
+    cache; each way run twice, taking turns, the faster run counted. The last column bounds the speedup
+    on this machine: uncached time per token / the weight-read floor of a cached step, measured alongside."""
+    rows = ["| layout | batch | tokens/s with cache | tokens/s without | speedup | identical greedy tokens | "
+            "bound: uncached / weight-read floor |", "|---|---|---|---|---|---|---|"]
     for attn in layouts:
         cfg = GPTConfig(attn=attn, **{**sizes, 'block_size': 256})
         model = GPT(cfg).to(device=device, dtype=dtype).eval()
@@ -242,8 +325,10 @@ def generation_speedup(layouts, sizes, device, dtype, prompt=16, new=240, batche
                 sync(device)
                 secs[use_cache].append(time.perf_counter() - t0)
             cached, plain = min(secs[True]), min(secs[False])
+            bound = plain / (batch * new) / weight_read_floor(model, batch, device)
             rows.append(f"| {attn} | {batch} | {batch * new / cached:,.1f} | {batch * new / plain:,.1f} | "
-                        f"{plain / cached:.1f}x | {'yes' if torch.equal(out[True], out[False]) else 'NO'} |")
+                        f"{plain / cached:.1f}x | {'yes' if torch.equal(out[True], out[False]) else 'NO'} | "
+                        f"{bound:.1f}x |")
     return "\n".join(rows) + "\n"
 
 
@@ -380,10 +465,12 @@ def main(argv=None):
     sub = p.add_subparsers(dest='mode', required=True)
     modes = {'cache': 'cache elements/bytes per token at the default config, formula vs measured',
              'train': 'train the CPU preset for each layout: losses, ms/iter, val-loss plot',
-             'decode': 'cache memory, decode cost vs context, generation speedup, prefill/train step'}
+             'decode': 'cache memory, decode cost vs context, generation speedup, prefill/train step',
+             'convert': 'MHA -> GQA/MQA by mean-pooling, with and without uptraining, vs from scratch'}
     parsers = {m: sub.add_parser(m, help=h) for m, h in modes.items()}
     for m, q in parsers.items():
-        q.add_argument('--layouts', default=','.join(ATTN_LAYOUTS), help='comma-separated subset of the layouts')
+        if m != 'convert':
+            q.add_argument('--layouts', default=','.join(ATTN_LAYOUTS), help='comma-separated subset of the layouts')
         q.add_argument('--readme', action='store_true', help='rewrite this table in README.md')
         if m != 'cache':
             q.add_argument('--out', default='results', help='folder for runs, tables and plots (default: results)')
@@ -391,6 +478,11 @@ def main(argv=None):
     t.add_argument('--max_iters', type=int, default=2000)
     t.add_argument('--nanogpt', help="path to nanoGPT's model.py: also time its training step next to ours")
     t.add_argument('extra', nargs='*', help='more --key=value for train.py (after --)')
+    c = parsers['convert']
+    c.add_argument('--max_iters', type=int, default=2000, help="MHA's (and the from-scratch models') iterations")
+    c.add_argument('--fractions', default='0,0.01,0.025,0.05,0.1', help='uptraining, fractions of max_iters')
+    c.add_argument('--lr', type=float, default=1e-3, help='peak learning rate of uptraining')
+    c.add_argument('extra', nargs='*', help='more --key=value for train.py (after --)')
     d = parsers['decode']
     d.add_argument('--n_layer', type=int, default=6)
     d.add_argument('--n_head', type=int, default=6)
@@ -401,7 +493,7 @@ def main(argv=None):
     d.add_argument('--gen_tokens', type=int, default=240, help='new tokens in the generation speedup run')
     d.add_argument('--step_T', default='256,1024', help='sequence lengths of the prefill / training-step table')
     args = p.parse_args(argv)
-    layouts = args.layouts.split(',')
+    layouts = args.layouts.split(',') if args.mode != 'convert' else []
     unknown = [x for x in layouts if x not in ATTN_LAYOUTS]
     if unknown:
         p.error(f"unknown layout(s) {unknown}; choose from {', '.join(ATTN_LAYOUTS)}")
@@ -426,6 +518,21 @@ def main(argv=None):
                      "(median of 6 rounds x 20 steps):\n\n| model | ms/step | vs nanoGPT |\n|---|---|---|\n" +
                      "".join(f"| {k} | {v:.2f} | {v / ref:.3f} |\n" for k, v in ms.items()))
         body += "\n![val loss curves](results/train_val_loss.png)\n"
+    elif args.mode == 'convert':
+        try:
+            fractions = sorted(float(f) for f in args.fractions.split(','))
+        except ValueError:
+            p.error(f"--fractions {args.fractions!r}: give comma-separated numbers")
+        if args.max_iters < 1 or fractions[0] < 0 or args.lr <= 0:
+            p.error("--max_iters must be >= 1, --fractions >= 0 and --lr > 0")
+        uptrain = sorted({round(f * args.max_iters) for f in fractions})
+        runs = convert_runs(args.out, args.max_iters, uptrain, args.lr, args.extra)
+        plot_convert(runs, args.max_iters, uptrain, os.path.join(args.out, 'convert.png'))
+        command = ' '.join(['python bench.py convert', f'--max_iters={args.max_iters}', f'--lr={args.lr:g}',
+                            *(['--', *args.extra] if args.extra else [])])
+        body = (f"`{command}` on {machine()}: config/cpu.py (4 layers, 4 heads, 128 wide, block 64), seed "
+                f"1337, val loss = mean of the same 200 val batches.\n\n" +
+                convert_table(runs, args.max_iters, uptrain, args.lr) + "\n![conversion](results/convert.png)\n")
     else:
         try:
             contexts = sorted(int(c) for c in args.contexts.split(','))

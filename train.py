@@ -290,8 +290,8 @@ def save_checkpoint():
     print(f"saving checkpoint to {out_dir}")
 
 
-if master_process and init_from == 'scratch':
-    open(os.path.join(out_dir, 'metrics.jsonl'), 'w').close()  # a new run starts a new log
+if master_process and init_from != 'resume':
+    open(os.path.join(out_dir, 'metrics.jsonl'), 'w').close()  # a new run (or conversion) starts a new log
 
 
 def log(row):

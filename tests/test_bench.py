@@ -1,4 +1,5 @@
 """bench.py runs on tiny configs and writes its tables and plots (no timing is asserted)."""
+import json
 import os
 import re
 import subprocess
@@ -20,7 +21,7 @@ def test_decode_report_on_a_tiny_model(tmp_path):
     assert (tmp_path / 'decode.png').stat().st_size > 10_000
     ratios = re.findall(r"\| (mha|gqa|mqa|mla|linear) \| (\d+) \| [\d,]+ \| [\d,]+ \| [\d.,]+ \| ([\d.]+) \|", out)
     assert len(ratios) == 10 and all(r == '1.000' for _, _, r in ratios)  # measured / formula, every layout
-    assert out.count('| yes |') == 10  # identical greedy tokens with and without the cache, batch 1 and 8
+    assert len(re.findall(r"\| yes \| [\d.]+x \|", out)) == 10  # identical greedy tokens with/without cache, batch 1, 8
     assert '| MHA (h_kv = 32) | 512.00 | 4.00 |' in out and '| GQA (h_kv = 8) | 128.00 | 1.00 |' in out
     assert '| MQA (h_kv = 1) | 16.00 | 0.12 |' in out and '| MLA (d_c = 512, d_R = 64) | 36.00 | 0.28 |' in out
     assert '| weights: 7e9 parameters at fp16 | | 13.0 |' in out
@@ -36,9 +37,37 @@ def test_train_report_on_a_tiny_model(tmp_path, char_data):
     assert os.path.isfile(tmp_path / 'train' / 'mha' / 'metrics.jsonl')
 
 
+def test_convert_experiment_on_a_tiny_model(tmp_path, char_data):
+    out = bench('convert', '--max_iters=4', '--fractions=0,0.5', f'--out={tmp_path}', '--',
+                '--n_layer=1', '--n_embd=32', '--eval_iters=2', f'--data_dir={char_data}')
+    assert (tmp_path / 'convert.png').stat().st_size > 10_000
+    rows = re.findall(r"\| (MHA|GQA, 2 K/V heads|MQA) \| ([^|]+) \| ([\d +]+) \| ([\d.]+)M \| ([\d,]+) \| ([\d.]+) \| ", out)
+    assert [(r[0], r[1], r[2]) for r in rows] == [
+        ('MHA', 'trained from scratch', '4'),
+        ('GQA, 2 K/V heads', 'trained from scratch', '4'), ('GQA, 2 K/V heads', 'MHA mean-pooled, no uptraining', '4 + 0'),
+        ('GQA, 2 K/V heads', 'MHA mean-pooled, uptrained 50.0%', '4 + 2'),
+        ('MQA', 'trained from scratch', '4'), ('MQA', 'MHA mean-pooled, no uptraining', '4 + 0'),
+        ('MQA', 'MHA mean-pooled, uptrained 50.0%', '4 + 2')]
+    cache = [int(r[4].replace(',', '')) for r in rows]
+    assert cache[0] == 2 * cache[1] == 4 * cache[4] and len(set(cache[1:4])) == len(set(cache[4:])) == 1
+    assert rows[1][3] == rows[2][3] and rows[4][3] == rows[5][3]  # from scratch in the converted models' shape
+    assert rows[2][5] != rows[0][5]  # pooling 4 heads into 2 changes the model
+
+    def evals(name):
+        with open(tmp_path / 'convert' / name / 'metrics.jsonl') as f:
+            return [(r['iter'], r['val/loss']) for r in map(json.loads, f) if 'val/loss' in r]
+    for attn in ('gqa', 'mqa'):
+        (it0, pooled), = evals(f'{attn}-uptrain-0')
+        start, end = evals(f'{attn}-uptrain-2')  # a fresh log that starts from the pooled weights
+        assert it0 == start[0] == 0 and start[1] == pooled and end[0] == 2
+    assert 'Share of the gap' not in out  # 5% of 4 iterations is no uptraining: nothing to report
+
+
 def test_bad_arguments_are_one_line():
     for args, msg in ((['decode', '--contexts=8,x'], "--contexts '8,x': give comma-separated integers"),
                       (['train', '--max_iters=0'], "--max_iters=0 must be >= 1"),
+                      (['convert', '--fractions=0,x'], "--fractions '0,x': give comma-separated numbers"),
+                      (['convert', '--lr=0'], "--lr > 0"),
                       (['decode', '--layouts=mha,flash'], "unknown layout(s) ['flash']")):
         r = subprocess.run([sys.executable, 'bench.py', *args], cwd=ROOT, capture_output=True, text=True)
         assert r.returncode == 2 and msg in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr

@@ -1,4 +1,5 @@
 """MHA -> GQA / MQA conversion by mean-pooling K/V heads (Ainslie et al. 2023)."""
+import re
 from dataclasses import replace
 
 import pytest
@@ -61,8 +62,10 @@ def test_train_py_converts_an_mha_checkpoint(tmp_path, char_data):
     from test_train import train, metrics
     train(tmp_path / 'mha', char_data, '--max_iters=10', '--eval_interval=5')
     r = train(tmp_path / 'gqa', char_data, '--attn=gqa', '--n_kv_head=2', f'--init_from={tmp_path / "mha"}',
-              '--max_iters=4', '--eval_interval=2', '--match_mha_params=True')
+              '--max_iters=4', '--eval_interval=2', '--match_mha_params=True', '--wandb_log=True',
+              '--wandb_mode=disabled')
     assert 'to gqa with 2 K/V heads by mean-pooling' in r.stdout
+    assert re.search(r"W&B run gqa-from-mha-\d{8}-\d{6} \(disabled\)", r.stdout), r.stdout  # its own run
     ckpt = torch.load(tmp_path / 'gqa' / 'ckpt.pt', weights_only=True)
     assert ckpt['model_args']['attn'] == 'gqa' and ckpt['model_args']['n_kv_head'] == 2
     assert ckpt['model_args']['match_mha_params'] is False  # the MHA checkpoint's MLP is kept
@@ -75,3 +78,9 @@ def test_train_py_converts_an_mha_checkpoint(tmp_path, char_data):
                           f'--out_dir={tmp_path / "x"}', f'--data_dir={char_data}'], cwd=ROOT,
                          capture_output=True, text=True)
     assert bad.returncode == 2 and "this one is 'gqa'" in bad.stderr and 'Traceback' not in bad.stderr
+    before = (tmp_path / 'mha' / 'ckpt.pt').read_bytes()
+    same = subprocess.run([sys.executable, 'train.py', *TINY, '--attn=mqa', f'--init_from={tmp_path / "mha"}',
+                           f'--out_dir={tmp_path / "mha" / "."}', f'--data_dir={char_data}'], cwd=ROOT,
+                          capture_output=True, text=True)
+    assert same.returncode == 2 and 'holds the checkpoint being converted' in same.stderr, same.stderr
+    assert len(same.stderr.strip().splitlines()) == 1 and (tmp_path / 'mha' / 'ckpt.pt').read_bytes() == before

@@ -21,6 +21,18 @@ import time
 from contextlib import nullcontext
 from dataclasses import asdict, fields
 
+# Ctrl-C only sets a flag (raising inside torch's import or a save could abort the process or break a file):
+# checked before the training loop (exit, nothing written) and at every iteration (save, then exit)
+interrupted = False
+
+
+def on_sigint(signum, frame):
+    global interrupted
+    interrupted = True
+
+
+signal.signal(signal.SIGINT, on_sigint)  # before the slow imports
+
 import numpy as np
 import torch
 import torch.distributed as dist
@@ -326,25 +338,17 @@ if wandb_log and master_process:
     wandb.init(project=wandb_project, name=name, config=config, mode=mode, dir=out_dir)
     print(f"W&B run {name} ({mode})")
 
-# Ctrl-C: finish the step under way, save, exit; every DDP rank stops at the same iteration
-interrupted = False
-
-
-def on_sigint(signum, frame):
-    global interrupted
-    interrupted = True
-
-
-signal.signal(signal.SIGINT, on_sigint)
-
-
-def stop_requested():
+def stop_requested():  # Ctrl-C on any rank: every DDP rank stops at the same iteration
     if not ddp:
         return interrupted
     flag = torch.tensor([float(interrupted)], device=device)
     dist.all_reduce(flag, op=dist.ReduceOp.MAX)
     return bool(flag.item())
 
+
+if stop_requested():
+    print("error: interrupted before training started; no checkpoint was written", file=sys.stderr)
+    sys.exit(130)
 
 # training loop
 X, Y = get_batch('train', draw(iter_num, 0))  # micro-batch 0 of iteration iter_num

@@ -29,9 +29,10 @@ def read_text(input_path=None, download_to=None):
         except (OSError, ValueError) as e:
             raise PrepareError(f"could not download tiny Shakespeare ({e}); offline? point {ENV}=PATH "
                                f"(or prepare.py --input PATH) at a local input.txt") from None
-        if download_to:
-            with open(download_to, 'w', encoding='utf-8') as f:
+        if download_to:  # temp file, then rename: an interrupted download leaves no half input.txt
+            with open(download_to + '.tmp', 'w', encoding='utf-8') as f:
                 f.write(text)
+            os.replace(download_to + '.tmp', download_to)
         return text
     try:
         with open(path, encoding='utf-8') as f:

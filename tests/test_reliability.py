@@ -117,6 +117,32 @@ def test_sigint_saves_and_says_how_to_resume(tmp_path, char_data):
     assert ckpt['iter_num'] == int(m.group(1)) > 0
 
 
+def test_sigint_at_start_up_is_one_line(tmp_path, char_data):
+    """Ctrl-C at moments from start-up into the first iterations: one line, never a traceback; before the
+    loop exit 130 and no checkpoint, in it the usual save."""
+    before_loop = 0
+    for delay in (0.0, 0.5, 1.0, 2.0, 3.5):
+        out_dir = tmp_path / str(delay)
+        p = subprocess.Popen([sys.executable, 'train.py', *TINY, f'--out_dir={out_dir}', f'--data_dir={char_data}',
+                              '--max_iters=100000', '--eval_interval=100000'], cwd=ROOT, stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True)
+        deadline = time.time() + 30  # numpy's library mapped: train.py is past its first lines (the handler)
+        while '/numpy/' not in open(f'/proc/{p.pid}/maps').read():
+            assert time.time() < deadline and p.poll() is None
+            time.sleep(0.01)
+        time.sleep(delay)
+        p.send_signal(signal.SIGINT)
+        out, err = p.communicate(timeout=60)
+        assert 'Traceback' not in err, err
+        if p.returncode == 130:
+            before_loop += 1
+            assert err.strip().splitlines() == ["error: interrupted before training started; no checkpoint was written"]
+            assert not os.path.exists(out_dir / 'ckpt.pt')
+        else:
+            assert p.returncode == 0 and 'checkpoint saved' in out, (p.returncode, err)
+    assert before_loop >= 1
+
+
 def test_sigkill_at_random_moments_never_breaks_the_checkpoint(tmp_path, char_data):
     """10 kills at random moments of a run that saves every iteration (so many land in a save: a
     ckpt.pt.tmp is left behind); after each, the checkpoint loads and the next try resumes from it."""

@@ -105,6 +105,25 @@ def test_ddp_two_cpu_processes(tmp_path, char_data):
     assert ckpt['iter_num'] == 6
 
 
+def test_ddp_resume_is_bit_exact(tmp_path, char_data):
+    """2 CPU processes: 8 iterations in one go == 4, stop, resume, 4 more (weights and logged losses)."""
+    ddp = (sys.executable, '-m', 'torch.distributed.run', '--standalone', '--nproc_per_node=2')
+    common = ['--attn=gqa', '--eval_interval=4', '--always_save_checkpoint=True', '--dropout=0.1',
+              '--gradient_accumulation_steps=2', '--log_interval=1']
+    straight, split = tmp_path / 'straight', tmp_path / 'split'
+    train(straight, char_data, '--max_iters=8', *common, launcher=ddp)
+    train(split, char_data, '--max_iters=4', *common, launcher=ddp)
+    r = train(split, char_data, '--max_iters=8', '--init_from=resume', *common, launcher=ddp)
+    digests = set(re.findall(r"rank \d: weights sha256 (\w+)", r.stdout))
+    assert len(digests) == 1, r.stdout  # both ranks end equal
+    losses = lambda d: [(m['iter'], m.get('train/batch_loss'), m.get('val/loss')) for m in metrics(d)]
+    assert set(losses(split)) == set(losses(straight))  # every logged loss, equal to the bit
+    assert len(losses(split)) == len(losses(straight)) + 1  # (the iter-4 eval is logged by both halves)
+    a, b = (torch.load(d / 'ckpt.pt', weights_only=True) for d in (straight, split))
+    assert a['iter_num'] == b['iter_num'] == 8
+    assert all(torch.equal(a['model'][k], b['model'][k]) for k in a['model'])
+
+
 def test_unknown_dataset(tmp_path):
     r = subprocess.run([sys.executable, 'train.py', 'config/cpu.py', '--dataset=nope', f'--out_dir={tmp_path}'],
                        cwd=ROOT, capture_output=True, text=True)

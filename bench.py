@@ -102,11 +102,22 @@ def train_table(runs):
     return "\n".join(lines) + "\n"
 
 
-def plot_curves(runs, path):
+def new_plot():
     import matplotlib
-    matplotlib.use('Agg')
+    matplotlib.use('Agg')  # files only, no display
     import matplotlib.pyplot as plt
-    fig, ax = plt.subplots(figsize=(7, 4.5))
+    return plt.subplots(figsize=(7, 4.5))
+
+
+def save_plot(fig, ax, path, **legend):
+    ax.grid(alpha=0.3, which='both')
+    ax.legend(**legend)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def plot_curves(runs, path):
+    fig, ax = new_plot()
     for attn, run in runs.items():
         evals = [r for r in run['rows'] if 'val/loss' in r]
         ax.plot([r['iter'] for r in evals], [r['val/loss'] for r in evals], label=attn, marker='.')
@@ -114,10 +125,7 @@ def plot_curves(runs, path):
     ax.set_ylabel('val loss')
     ax.set_ylim(top=min(3.0, ax.get_ylim()[1]))
     ax.set_title('tiny Shakespeare (char), CPU preset: 4 layers, 4 heads, 128 wide, block 64')
-    ax.grid(alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    save_plot(fig, ax, path)
 
 
 def convert_runs(out, max_iters, uptrain, lr, extra=()):
@@ -171,10 +179,7 @@ def convert_table(runs, max_iters, uptrain, lr):
 
 
 def plot_convert(runs, max_iters, uptrain, path):
-    import matplotlib
-    matplotlib.use('Agg')
-    import matplotlib.pyplot as plt
-    fig, ax = plt.subplots(figsize=(7, 4.5))
+    fig, ax = new_plot()
     xs = [100 * n / max_iters for n in uptrain]
     ax.axhline(runs['mha']['val']['val/loss'], color='black', ls='--', label=f'MHA, {max_iters} iters')
     for attn, color in (('gqa', 'tab:blue'), ('mqa', 'tab:orange')):
@@ -185,10 +190,7 @@ def plot_convert(runs, max_iters, uptrain, path):
     ax.set_xlabel("uptraining iterations, % of MHA's training")
     ax.set_ylabel('val loss')
     ax.set_title('MHA -> GQA / MQA: K/V heads mean-pooled, then uptrained (CPU preset)')
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    save_plot(fig, ax, path, fontsize=8)
 
 
 def step_time_vs_nanogpt(nanogpt_path, rounds=7, steps=20):
@@ -415,10 +417,7 @@ def train_step_times(layouts, sizes, device, dtype, Ts=(256, 1024), batch=4):
 
 
 def plot_decode(costs, layouts, contexts, path):
-    import matplotlib
-    matplotlib.use('Agg')
-    import matplotlib.pyplot as plt
-    fig, ax = plt.subplots(figsize=(7, 4.5))
+    fig, ax = new_plot()
     for i, attn in enumerate(layouts):
         color = f"C{i}"
         ax.plot(contexts, [costs[attn, t][0] for t in contexts], color=color, marker='o', label=f"{attn}, cached")
@@ -429,10 +428,7 @@ def plot_decode(costs, layouts, contexts, path):
     ax.set_xlabel('context length t (tokens already seen)')
     ax.set_ylabel('ms per generated token')
     ax.set_title('decode cost vs context, batch 1')
-    ax.grid(alpha=0.3, which='both')
-    ax.legend(fontsize=7, ncol=2)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    save_plot(fig, ax, path, fontsize=7, ncol=2)
 
 
 def decode_report(layouts, sizes, contexts, device, dtype, out, gen_tokens=240, step_T=(256, 1024)):

@@ -103,9 +103,10 @@ globals().update(config)
 model_keys = [f.name for f in fields(GPTConfig) if f.name != 'vocab_size']
 # -----------------------------------------------------------------------------
 
-if init_from not in ('scratch', 'resume') and not os.path.isfile(os.path.join(init_from, 'ckpt.pt')):
+converting = init_from not in ('scratch', 'resume')  # init_from is an MHA out_dir to convert
+if converting and not os.path.isfile(os.path.join(init_from, 'ckpt.pt')):
     fail(f"init_from={init_from!r} should be 'scratch', 'resume', or an out_dir with an MHA ckpt.pt to convert")
-if init_from not in ('scratch', 'resume') and os.path.realpath(init_from) == os.path.realpath(out_dir):
+if converting and os.path.realpath(init_from) == os.path.realpath(out_dir):
     fail(f"out_dir={out_dir!r} holds the checkpoint being converted; give the converted model its own out_dir")
 if dtype not in ('float32', 'bfloat16', 'float16'):
     fail(f"dtype={dtype!r} should be one of float32, bfloat16, float16")
@@ -332,11 +333,12 @@ if wandb_log and master_process:
         fail(f"wandb_mode={mode!r} should be online, offline or disabled")
     os.environ['WANDB_MODE'] = mode  # decided before init: wandb must never prompt or wait for a network
     import wandb
-    origin = '' if init_from in ('scratch', 'resume') else f"-from-{os.path.basename(os.path.normpath(init_from))}"
+    origin = f"-from-{os.path.basename(os.path.normpath(init_from))}" if converting else ''
     name = wandb_run_name or f"{attn}{origin}-{time.strftime('%Y%m%d-%H%M%S')}"
     name = name if attn in name else f"{attn}-{name}"
     wandb.init(project=wandb_project, name=name, config=config, mode=mode, dir=out_dir)
     print(f"W&B run {name} ({mode})")
+
 
 def stop_requested():  # Ctrl-C on any rank: every DDP rank stops at the same iteration
     if not ddp:

@@ -1,8 +1,11 @@
-"""The README's cache table is the output of `python bench.py cache`, not typed by hand."""
+"""The README's tables are bench.py's output: the cache table recomputed here, the measured ones exactly as
+committed in results/ (not typed by hand)."""
 import os
 import re
 import subprocess
 import sys
+
+import pytest
 
 from conftest import ROOT
 
@@ -22,3 +25,12 @@ def test_bench_cache_rejects_unknown_layout():
                        capture_output=True, text=True)
     assert r.returncode != 0
     assert "unknown layout(s) ['flash']" in r.stderr and 'Traceback' not in r.stderr
+
+
+@pytest.mark.parametrize('mode', ['train', 'decode', 'convert'])
+def test_readme_tables_are_the_committed_bench_output(mode):
+    """README's measured tables are exactly what `python bench.py MODE` last wrote to results/MODE.md."""
+    with open(os.path.join(ROOT, 'README.md')) as f:
+        section = re.search(f"<!-- {mode}-table -->\n(.*?)<!-- /{mode}-table -->", f.read(), re.S)
+    with open(os.path.join(ROOT, 'results', f'{mode}.md')) as f:
+        assert section and section.group(1) == f.read(), f"run `python bench.py {mode} --readme` (or restore results/{mode}.md)"

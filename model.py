@@ -132,6 +132,9 @@ class KVCache:
     def nbytes(self, n):  # bytes of the first n positions (the filled part)
         return sum(b[:, :, :n].numel() * b.element_size() for b in self.bufs)
 
+    def reset(self):  # nothing to clear: positions >= the counter are never read
+        pass
+
 
 class StateCache:
     """Linear attention's recurrent state: S = sum phi(k) vᵀ and z = sum phi(k). Fixed size in T."""
@@ -141,6 +144,10 @@ class StateCache:
 
     def nbytes(self, n):
         return self.S.nbytes + self.z.nbytes
+
+    def reset(self):
+        self.S.zero_()
+        self.z.zero_()
 
 
 class Cache:
@@ -155,6 +162,12 @@ class Cache:
     @property
     def nbytes(self):
         return sum(layer.nbytes(self.pos) for layer in self.layers)
+
+    def reset(self):
+        """Empty again, buffers kept: the counter to 0, linear attention's state to zeros."""
+        self.pos = 0
+        for layer in self.layers:
+            layer.reset()
 
 
 # ----------------------------------------------------------------------------------------------
@@ -456,20 +469,24 @@ class GPT(nn.Module):
         return torch.cat([idx, *self.stream(idx, max_new_tokens, temperature, top_k, top_p, use_cache)], dim=1)
 
     @torch.inference_mode()
-    def stream(self, idx, max_new_tokens, temperature=1.0, top_k=None, top_p=None, use_cache=True):
+    def stream(self, idx, max_new_tokens, temperature=1.0, top_k=None, top_p=None, use_cache=True, cache=None):
         """Yield the new tokens (B, 1) one step at a time. The model sees a window of at most block_size
         tokens; when it is full it slides forward, keeping its last half, and positions restart at 0.
         Both paths use this window, so with and without the cache the tokens are the same, past
-        block_size too; with the cache a slide costs one re-prefill."""
+        block_size too; with the cache a slide costs one re-prefill. Pass a cache to inspect it after."""
         if idx.size(1) == 0:
             raise ValueError("empty prompt: generation needs at least one token to condition on")
         block_size = self.config.block_size
-        start, cache = max(0, idx.size(1) - block_size), None  # idx[:, start:] is the window
+        start = max(0, idx.size(1) - block_size)  # idx[:, start:] is the window
+        if use_cache:
+            cache = self.init_cache(idx.size(0)) if cache is None else cache
+            cache.reset()
         for _ in range(max_new_tokens):
             if idx.size(1) - start > block_size:
-                start, cache = idx.size(1) - max(1, block_size // 2), None
+                start = idx.size(1) - max(1, block_size // 2)
+                if use_cache:
+                    cache.reset()
             if use_cache:
-                cache = self.init_cache(idx.size(0)) if cache is None else cache
                 logits, _ = self(idx[:, start + len(cache):], cache=cache)  # prefill, then 1 token a step
             else:
                 logits, _ = self(idx[:, start:])  # re-run the whole window

@@ -97,14 +97,15 @@ options = dict(temperature=temperature, top_k=top_k, top_p=top_p if top_p < 1 el
 
 
 def run(cached, stream=False):
-    """num_samples samples (one batch row each, one seed); returns the new tokens and tokens/s."""
+    """num_samples samples (one batch row each, one seed); returns the new tokens, tokens/s and the cache."""
     torch.manual_seed(seed)
+    cache = model.init_cache(num_samples) if cached else None
     if device_type == 'cuda':
         torch.cuda.synchronize()
     t0 = time.perf_counter()
     with torch.no_grad(), ctx:
         new = []
-        for tok in model.stream(x.expand(num_samples, -1), max_new_tokens, use_cache=cached, **options):
+        for tok in model.stream(x.expand(num_samples, -1), max_new_tokens, use_cache=cached, cache=cache, **options):
             new.append(tok)
             if stream:
                 print(decode(tok[0].tolist()), end='', flush=True)
@@ -112,7 +113,7 @@ def run(cached, stream=False):
         torch.cuda.synchronize()
     dt = time.perf_counter() - t0
     out = torch.cat(new, dim=1) if new else x[:, :0].expand(num_samples, 0)
-    return out, num_samples * max_new_tokens / dt if dt > 0 else float('inf')
+    return out, num_samples * max_new_tokens / dt if dt > 0 else float('inf'), cache
 
 
 if not compare:
@@ -121,7 +122,7 @@ if not compare:
         run(use_cache, stream=True)
         print()
     else:
-        out, _ = run(use_cache)
+        out, _, _ = run(use_cache)
         for row in out.tolist():
             print(start + decode(row))
             print('---------------')
@@ -129,13 +130,10 @@ if not compare:
 
 # --compare: the same samples both ways, same seed
 cfg = model.config
-with_cache, tps_cache = run(True)
-without, tps_plain = run(False)
+with_cache, tps_cache, cache = run(True)  # the cache as generation left it
+without, tps_plain, _ = run(False)
 same = torch.equal(with_cache, without)
 diff = (with_cache != without).any(0).nonzero()
-final = torch.cat([x.expand(num_samples, -1), with_cache], 1)[:, -cfg.block_size:]  # what the window holds
-cache = model.init_cache(num_samples)  # refilled with the final window, to measure its bytes
-model(final, cache=cache)
 per_token = cache.nbytes / num_samples / len(cache)
 formula = cfg.cache_bytes(len(cache), next(model.parameters()).dtype) / len(cache)
 print(decode(with_cache[0].tolist())[:200].replace('\n', ' ') + ' ...\n')

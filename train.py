@@ -416,7 +416,8 @@ while True:
 
 if ddp:  # every rank must end with the same weights
     digest = hashlib.sha256(b''.join(p.detach().cpu().numpy().tobytes() for p in raw_model.parameters()))
-    print(f"rank {ddp_rank}: weights sha256 {digest.hexdigest()[:16]}")
+    sys.stdout.flush()  # then the line in one write: the ranks share one stdout
+    print(f"rank {ddp_rank}: weights sha256 {digest.hexdigest()[:16]}", flush=True)
     dist.destroy_process_group()
 if wandb_log and master_process:
     wandb.finish()

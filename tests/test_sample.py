@@ -45,6 +45,13 @@ def test_compare_table(ckpt_dir):
     assert table['layout'] == 'mla' and table['tokens identical'] == 'yes'
     assert float(table['speedup'].rstrip('x')) > 0
     assert table['cache bytes / token: measured'] == table['cache bytes / token: formula']
+    n, start = len('ROMEO:'), 0  # the window policy, replayed: block 32, slides keep the last 16 tokens
+    for _ in range(80):
+        if n - start > 32:
+            start = n - 16
+        n += 1
+    held = [k for k in table if k.startswith('cache bytes at the end')]
+    assert held == [f'cache bytes at the end ({n - 1 - start} tokens x 2 samples)']  # the live cache, not a refill
 
 
 def test_streaming_one_sample_and_file_prompt(ckpt_dir, tmp_path):

@@ -37,7 +37,8 @@ globals().update(configure({k: globals()[k] for k in config_keys if k != 'config
 
 for name, ok, rule in (('max_new_tokens', max_new_tokens >= 0, '>= 0'), ('top_k', top_k >= 1, '>= 1'),
                        ('top_p', 0 < top_p <= 1, 'in (0, 1]'), ('temperature', temperature >= 0, '>= 0'),
-                       ('num_samples', num_samples >= 1, '>= 1')):
+                       ('num_samples', num_samples >= 1, '>= 1'),
+                       ('max_new_tokens', max_new_tokens >= 1 or not compare, '>= 1 with --compare')):
     if not ok:
         fail(f"{name}={globals()[name]!r} must be {rule}")
 if dtype not in ('float32', 'bfloat16', 'float16'):

@@ -83,6 +83,7 @@ def test_train_bad_input(tmp_path, char_data, trained, args, message):
 
 
 SAMPLE_CASES = [  # (prompt and sampling values: tests/test_sample.py)
+    (['--compare', '--max_new_tokens=0'], "max_new_tokens=0 must be >= 1 with --compare"),
     (['--device=cuda'], "CUDA is not available here"),
     (['--num_samples=0'], "num_samples=0 must be >= 1"),
     (['--out_dir=CORRUPT'], "cannot load checkpoint"),

@@ -222,7 +222,7 @@ if init_from == 'resume':
               for k in ['vocab_size'] + model_keys if getattr(saved, k) != getattr(asked, k)]
     if differ:
         fail(f"{ckpt_path} is another model ({'; '.join(differ)}); resume with its settings or change out_dir")
-elif init_from != 'scratch':  # MHA -> GQA/MQA: mean-pool the K/V heads of init_from/ckpt.pt, then train on
+elif converting:  # MHA -> GQA/MQA: mean-pool the K/V heads of init_from/ckpt.pt, then train on
     try:
         source_path = os.path.join(init_from, 'ckpt.pt')
         source = torch.load(source_path, map_location=device, weights_only=True)
@@ -237,7 +237,7 @@ gptconf = GPTConfig(vocab_size=meta['vocab_size'], **model_args)
 model = GPT(gptconf)
 if init_from == 'resume':
     model.load_state_dict({k.removeprefix('_orig_mod.'): v for k, v in checkpoint['model'].items()})
-elif init_from != 'scratch':
+elif converting:
     try:
         model.load_state_dict(pool_kv_heads({k.removeprefix('_orig_mod.'): v for k, v in source['model'].items()},
                                             source_cfg, gptconf.n_kv_head))

@@ -273,15 +273,26 @@ def timed(fn, device, reps, warmup=True):
     return statistics.median(times)
 
 
+def build(cfg, device, dtype, compile=False):
+    """A random-init model for inference. Compiled with fullgraph=True (a graph break raises) and no
+    silent fallback to eager at the recompile limit, so a figure labelled 'compiled' is one."""
+    model = GPT(cfg).to(device=device, dtype=dtype).eval()
+    if compile:
+        torch._dynamo.reset()  # each model gets the whole recompile budget
+        torch._dynamo.config.fail_on_recompile_limit_hit = True
+        model.compile(fullgraph=True)
+    return model
+
+
 @torch.inference_mode()
-def decode_costs(layouts, sizes, contexts, device, dtype, rounds=15):
+def decode_costs(layouts, sizes, contexts, device, dtype, compile=False, rounds=15):
     """ms per generated token at each context length t: one cached decode step against t cached tokens,
     and the uncached alternative, one forward over the t + 1 token window. The contexts take turns
     (one step each per round), so a slow moment of the machine hits them all alike."""
     out = {}
     for attn in layouts:
         cfg = GPTConfig(attn=attn, **{**sizes, 'block_size': max(contexts) + rounds + 1})
-        model = GPT(cfg).to(device=device, dtype=dtype).eval()
+        model = build(cfg, device, dtype, compile)
         idx = torch.randint(0, cfg.vocab_size, (1, cfg.block_size), device=device)
         caches = {t: model.init_cache(1) for t in contexts}
         for t, cache in caches.items():
@@ -298,12 +309,28 @@ def decode_costs(layouts, sizes, contexts, device, dtype, rounds=15):
     return out
 
 
-def weight_read_floor(model, batch, device, reps=20):
-    """Seconds per generated token that no cached step can beat: every Linear weight times `batch`
-    vectors, once (a cached step reads all the weights; at batch 1 that is memory-bound)."""
-    ws = [m.weight for m in model.modules() if isinstance(m, torch.nn.Linear)]
-    xs = [torch.randn(batch, w.size(1), device=device, dtype=w.dtype) for w in ws]
-    return timed(lambda: [torch.nn.functional.linear(x, w) for x, w in zip(xs, ws)], device, reps) / batch
+MATMULS = ('aten::mm', 'aten::addmm', 'aten::bmm', 'aten::baddbmm')
+
+
+def matmul_seconds_per_token(model, batch, device, t=136, steps=10):
+    """Seconds per generated token that a cached decode step at context t (the middle of the generation
+    run) spends inside matrix products, profiled in the real step: the part that cutting the other
+    operators cannot remove. (Timed apart, back to back, the same products run up to 2x faster on this
+    CPU than between the step's other operators, so a separate 'weight-read floor' flatters.)"""
+    from torch.profiler import ProfilerActivity, profile
+    cuda = device.startswith('cuda')
+    idx = torch.randint(0, model.config.vocab_size, (batch, t + 2 * steps), device=device)
+    cache = model.init_cache(batch)
+    model(idx[:, :t], cache=cache)
+    for i in range(steps):  # warm-up (and compilation)
+        model(idx[:, t + i:t + i + 1], cache=cache)
+    with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
+        for i in range(steps, 2 * steps):
+            model(idx[:, t + i:t + i + 1], cache=cache)
+        sync(device)
+    us = sum(e.self_device_time_total if cuda else e.self_cpu_time_total
+             for e in prof.key_averages() if e.key in MATMULS)
+    return us / 1e6 / steps / batch
 
 
 @torch.inference_mode()
@@ -328,15 +355,16 @@ def ops_per_decode_step(layouts, sizes):
 
 
 @torch.inference_mode()
-def generation_speedup(layouts, sizes, device, dtype, prompt=16, new=240, batches=(1, 8)):
+def generation_speedup(layouts, sizes, device, dtype, compile=False, prompt=16, new=240, batches=(1, 8)):
     """Greedy generation, `new` tokens after a 16-token prompt at block 256, with and without the
-    cache; each way run twice, taking turns, the faster run counted. The last column bounds the speedup
-    on this machine: uncached time per token / the weight-read floor of a cached step, measured alongside."""
+    cache; each way run twice, taking turns, the faster run counted. The last two columns say what
+    bounds the speedup: the ms per token a cached step spends in matrix products (profiled in the step),
+    and uncached time per token / that, the speedup if every other operator were free."""
     rows = ["| layout | batch | tokens/s with cache | tokens/s without | speedup | identical greedy tokens | "
-            "bound: uncached / weight-read floor |", "|---|---|---|---|---|---|---|"]
+            "cached ms/token: all / in matmuls | bound: uncached / matmuls |", "|---|---|---|---|---|---|---|---|"]
     for attn in layouts:
         cfg = GPTConfig(attn=attn, **{**sizes, 'block_size': 256})
-        model = GPT(cfg).to(device=device, dtype=dtype).eval()
+        model = build(cfg, device, dtype, compile)
         for batch in batches:
             idx = torch.randint(0, cfg.vocab_size, (batch, prompt), device=device)
             out, secs = {}, {True: [], False: []}
@@ -348,10 +376,11 @@ def generation_speedup(layouts, sizes, device, dtype, prompt=16, new=240, batche
                 sync(device)
                 secs[use_cache].append(time.perf_counter() - t0)
             cached, plain = min(secs[True]), min(secs[False])
-            bound = plain / (batch * new) / weight_read_floor(model, batch, device)
+            mm = matmul_seconds_per_token(model, batch, device)
             rows.append(f"| {attn} | {batch} | {batch * new / cached:,.1f} | {batch * new / plain:,.1f} | "
                         f"{plain / cached:.1f}x | {'yes' if torch.equal(out[True], out[False]) else 'NO'} | "
-                        f"{bound:.1f}x |")
+                        f"{cached / (batch * new) * 1000:.3g} / {mm * 1000:.3g} | "
+                        f"{f'{plain / (batch * new) / mm:.1f}x' if mm else '—'} |")
     return "\n".join(rows) + "\n"
 
 
@@ -431,8 +460,8 @@ def plot_decode(costs, layouts, contexts, path):
     save_plot(fig, ax, path, fontsize=7, ncol=2)
 
 
-def decode_report(layouts, sizes, contexts, device, dtype, out, gen_tokens=240, step_T=(256, 1024)):
-    costs = decode_costs(layouts, sizes, contexts, device, dtype)
+def decode_report(layouts, sizes, contexts, device, dtype, out, gen_tokens=240, step_T=(256, 1024), compile=False):
+    costs = decode_costs(layouts, sizes, contexts, device, dtype, compile)
     plot_decode(costs, layouts, contexts, os.path.join(out, 'decode.png'))
     head = "| layout | " + " | ".join(f"t={t} cached / no cache" for t in contexts) + " |"
     rows = [head, "|---|" + "---|" * len(contexts)]
@@ -440,7 +469,8 @@ def decode_report(layouts, sizes, contexts, device, dtype, out, gen_tokens=240, 
         rows.append(f"| {attn} | " + " | ".join(f"{costs[attn, t][0]:.2f} / {costs[attn, t][1]:.1f}"
                                               for t in contexts) + " |")
     text = (f"Machine: {machine()}. Model: {sizes['n_layer']} layers, {sizes['n_head']} heads, "
-            f"n_embd {sizes['n_embd']}, random init, {str(dtype).replace('torch.', '')}, device {device}.\n\n"
+            f"n_embd {sizes['n_embd']}, random init, {str(dtype).replace('torch.', '')}, device {device}"
+            f"{'; (b) and the generation table with torch.compile(fullgraph=True), (c) eager' if compile else ', eager'}.\n\n"
             "**(a) Cache memory, formula vs measured** (one sequence):\n\n" +
             memory_table(layouts, sizes, [c for c in contexts if c <= 1024] or contexts[:1], device, dtype) +
             "\n**The 7B table**, from `GPTConfig.cache_bytes` (nothing allocated):\n\n" + seven_b_table() +
@@ -458,9 +488,9 @@ def decode_report(layouts, sizes, contexts, device, dtype, out, gen_tokens=240, 
                  f"**{explicit / absorbed:.2f}**; outputs agree to {err:.1e}.\n")
     text += (f"\n**Generation, {gen_tokens} new tokens after a 16-token prompt, block 256, greedy** (the best "
              "of two runs each way):\n\n" +
-             generation_speedup(layouts, sizes, device, dtype, new=gen_tokens) +
-             "\naten operators dispatched by one cached decode step at batch 1 (each costs microseconds on a "
-             "CPU, whatever its size): " + ", ".join(f"{a} {n}" for a, n in ops_per_decode_step(layouts, sizes).items()) +
+             generation_speedup(layouts, sizes, device, dtype, compile, new=gen_tokens) +
+             "\naten operators eager PyTorch dispatches for one cached decode step at batch 1 (each costs "
+             "microseconds on a CPU, whatever its size): " + ", ".join(f"{a} {n}" for a, n in ops_per_decode_step(layouts, sizes).items()) +
              ".\n" +
              "\n**(c) Prefill and training step** (prefill: batch 1 into a cache; training: batch 4):\n\n" +
              train_step_times(layouts, sizes, device, dtype, step_T) + "\n![decode cost vs context](results/decode.png)\n")
@@ -512,6 +542,7 @@ def main(argv=None):
     d.add_argument('--dtype', default='float32', choices=['float32', 'bfloat16', 'float16'])
     d.add_argument('--gen_tokens', type=int, default=240, help='new tokens in the generation speedup run')
     d.add_argument('--step_T', default='256,1024', help='sequence lengths of the prefill / training-step table')
+    d.add_argument('--compile', action='store_true', help='torch.compile the models of (b) and the generation table')
     args = p.parse_args(argv)
     layouts = args.layouts.split(',') if args.mode != 'convert' else []
     unknown = [x for x in layouts if x not in ATTN_LAYOUTS]
@@ -579,7 +610,7 @@ def main(argv=None):
         except ValueError:
             p.error(f"--step_T {args.step_T!r}: give comma-separated integers")
         body = decode_report(layouts, sizes, contexts, args.device, getattr(torch, args.dtype), args.out,
-                             args.gen_tokens, step_T)
+                             args.gen_tokens, step_T, args.compile)
     if args.mode != 'cache':
         with open(os.path.join(args.out, f'{args.mode}.md'), 'w') as f:
             f.write(body)

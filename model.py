@@ -90,14 +90,13 @@ def rope_table(dim, length, base):
 
 
 def apply_rope(x, rope):
-    """Rotate each pair (x[2i], x[2i+1]) of x (..., L, d) by its position's angle (interleaved layout):
-    one complex product, at least in float32. rope: complex (L, d/2), or None for no rotation."""
+    """Rotate each pair (x[2i], x[2i+1]) of x (..., L, d) by its position's angle (interleaved layout),
+    in float32 at least. rope: (L, d/2, 2) cos and sin, or None for no rotation."""
     if rope is None:
         return x
-    xc = x.to(torch.promote_types(x.dtype, torch.float32)).unflatten(-1, (-1, 2))
-    aligned = xc.storage_offset() % 2 == 0 and all(st % 2 == 0 for st in xc.stride()[:-2])  # for a complex view
-    xc = torch.view_as_complex(xc if aligned else xc.clone(memory_format=torch.contiguous_format))
-    return torch.view_as_real(xc * rope).flatten(-2).type_as(x)
+    x1, x2 = x.to(torch.promote_types(x.dtype, torch.float32)).unflatten(-1, (-1, 2)).unbind(-1)
+    cos, sin = rope.unbind(-1)  # real arithmetic, not a complex product: torch.compile cannot fuse complex ops
+    return torch.stack([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1).flatten(-2).type_as(x)
 
 
 def attend(q, k, v, scale=None, dropout_p=0.0):
@@ -108,11 +107,14 @@ def attend(q, k, v, scale=None, dropout_p=0.0):
     if L == 1 and H != H_kv:  # decode: a group's G query heads become G queries of its one K/V head
         y = F.scaled_dot_product_attention(q.view(B, H_kv, H // H_kv, D), k, v, dropout_p=dropout_p, scale=scale)
         return y.view(B, H, 1, v.size(-1))  # (no mask: the one new position sees every key; 2-7x faster on CPU)
-    # is_causal aligns the mask top-left, right only when L == S; one query (decode) sees every key;
-    # otherwise (a chunk after a prefill) query i sees keys <= S - L + i: a right-aligned mask
-    mask = None if L in (1, S) else torch.ones(L, S, dtype=torch.bool, device=q.device).tril(S - L)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=L == S > 1,
-                                          scale=scale, enable_gqa=H != H_kv)
+    if L == S:  # training, or a prefill into an empty cache: is_causal's top-left mask is right only here
+        return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True, scale=scale,
+                                              enable_gqa=H != H_kv)
+    # the queries are the last L of S positions: query i sees keys <= S - L + i, a right-aligned mask
+    # (one query, decoding, sees every key: no mask)
+    mask = None if L == 1 else torch.ones(L, S, dtype=torch.bool, device=q.device).tril(S - L)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, scale=scale,
+                                          enable_gqa=H != H_kv)
 
 
 class KVCache:
@@ -410,11 +412,11 @@ class GPT(nn.Module):
             torch.nn.init.normal_(module.weight, mean=0.0, std=0.02)
 
     def rope(self, pos, L):
-        """The rotations e^(i angle) for positions [pos, pos + L), or None with learned positions."""
+        """cos and sin (L, d/2, 2) of the angles of positions [pos, pos + L), or None with learned positions."""
         if self.config.pos_emb == 'learned':
             return None
-        table = self.rope_table[pos:pos + L]  # (L, d/2, 2), float32 at least even in a 16-bit model
-        return torch.view_as_complex(table.to(torch.promote_types(table.dtype, torch.float32)))
+        table = self.rope_table[pos:pos + L]
+        return table.to(torch.promote_types(table.dtype, torch.float32))  # float32 at least, even in a 16-bit model
 
     def init_cache(self, batch_size, dtype=None, device=None):
         """An empty cache for batch_size sequences of up to block_size tokens."""

@@ -61,3 +61,24 @@ def test_sample_top_k_top_p():
     p = torch.tensor([[0.5, 0.3, 0.15, 0.05]]).log()
     draws = {sample(p, top_p=0.79).item() for _ in range(300)}
     assert draws == {0, 1}
+
+
+def test_traces_as_one_graph_per_path(attn):
+    """torch.compile(fullgraph=True) captures training, prefill, decode and the uncached window without
+    a graph break (which would raise) and within the recompile limit: what `bench.py decode --compile`
+    and `compile=True` rely on. backend='eager' traces without generating code, so this runs in seconds."""
+    torch._dynamo.reset()
+    model = make_model(attn)
+    compiled = torch.compile(model, fullgraph=True, backend='eager')
+    idx = torch.randint(0, 40, (2, 12))
+    logits, loss = compiled(idx, idx)
+    torch.testing.assert_close(loss, model(idx, idx)[1], rtol=0, atol=0)
+    model.eval()
+    with torch.inference_mode(), torch._dynamo.config.patch(fail_on_recompile_limit_hit=True):
+        cache, ref = model.init_cache(2), model.init_cache(2)
+        for pos, L in ((0, 5), (5, 1), (6, 1), (7, 1), (8, 3), (11, 1)):  # prefill, decode, a chunk, decode
+            torch.testing.assert_close(compiled(idx[:, pos:pos + L], cache=cache)[0],
+                                       model(idx[:, pos:pos + L], cache=ref)[0], rtol=0, atol=0)
+        for T in (4, 7, 9):  # the uncached window at several lengths
+            torch.testing.assert_close(compiled(idx[:, :T])[0], model(idx[:, :T])[0], rtol=0, atol=0)
+    torch._dynamo.reset()

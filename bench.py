@@ -278,7 +278,8 @@ def build(cfg, device, dtype, compile=False):
     silent fallback to eager at the recompile limit, so a figure labelled 'compiled' is one."""
     model = GPT(cfg).to(device=device, dtype=dtype).eval()
     if compile:
-        torch._dynamo.reset()  # each model gets the whole recompile budget
+        torch._dynamo.reset()  # each model gets the whole recompile budget:
+        torch._dynamo.config.recompile_limit = 32  # batch sizes, prefill, decode, windows specialize, then go dynamic
         torch._dynamo.config.fail_on_recompile_limit_hit = True
         model.compile(fullgraph=True)
     return model
@@ -331,6 +332,24 @@ def matmul_seconds_per_token(model, batch, device, t=136, steps=10):
     us = sum(e.self_device_time_total if cuda else e.self_cpu_time_total
              for e in prof.key_averages() if e.key in MATMULS)
     return us / 1e6 / steps / batch
+
+
+@torch.inference_mode()
+def matmuls_back_to_back_vs_spaced(sizes, device, dtype, gap_us=50, reps=50):
+    """The weight products of one decode step (every Linear times one vector), timed back to back and
+    with gap_us of busy Python between them, as they run inside a real step. Median ms of each."""
+    model = build(GPTConfig(**sizes), device, dtype)
+    pairs = [(torch.randn(1, m.in_features, device=device, dtype=dtype), m.weight)
+             for m in model.modules() if isinstance(m, torch.nn.Linear)]
+
+    def spin():
+        end = time.perf_counter() + gap_us / 1e6
+        while time.perf_counter() < end:
+            pass
+    tight = timed(lambda: [torch.nn.functional.linear(x, w) for x, w in pairs], device, reps)
+    gaps = timed(lambda: [spin() for _ in pairs], device, reps)
+    spaced = timed(lambda: [(torch.nn.functional.linear(x, w), spin()) for x, w in pairs], device, reps)
+    return len(pairs), tight * 1000, (spaced - gaps) * 1000
 
 
 @torch.inference_mode()
@@ -489,6 +508,9 @@ def decode_report(layouts, sizes, contexts, device, dtype, out, gen_tokens=240, 
     text += (f"\n**Generation, {gen_tokens} new tokens after a 16-token prompt, block 256, greedy** (the best "
              "of two runs each way):\n\n" +
              generation_speedup(layouts, sizes, device, dtype, compile, new=gen_tokens) +
+             "\nThe {} weight products of one decode step (MHA, batch 1): {:.2f} ms back to back, {:.2f} ms with "
+             "50 µs of busy Python between them, as inside a step.\n".format(
+                 *matmuls_back_to_back_vs_spaced(sizes, device, dtype)) +
              "\naten operators eager PyTorch dispatches for one cached decode step at batch 1 (each costs "
              "microseconds on a CPU, whatever its size): " + ", ".join(f"{a} {n}" for a, n in ops_per_decode_step(layouts, sizes).items()) +
              ".\n" +

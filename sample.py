@@ -57,8 +57,8 @@ try:
 except Exception as e:  # truncated, corrupted or foreign files all land here
     fail(f"cannot load checkpoint {ckpt_path}: {type(e).__name__}: {str(e).splitlines()[0][:200]}")
 model.eval().to(device)
-if compile:
-    model = torch.compile(model)
+if compile:  # in place: stream() calls self(...), which a torch.compile(model) wrapper would not reach
+    model.compile()
 torch.manual_seed(seed)
 device_type = 'cuda' if 'cuda' in device else 'cpu'
 ptdtype = {'float32': torch.float32, 'bfloat16': torch.bfloat16, 'float16': torch.float16}[dtype]

@@ -25,6 +25,8 @@ def test_decode_report_on_a_tiny_model(tmp_path):
     assert ops and all(int(n) > 0 for n in ops.groups())
     gen = re.findall(r"\| yes \| ([\d.e-]+) / ([\d.e-]+) \| [\d.]+x \|", out)  # identical greedy tokens, batch 1 and 8
     assert len(gen) == 10 and all(float(mm) > 0 for _, mm in gen)  # the profiler found the step's matmuls
+    spaced = re.search(r"The (\d+) weight products of one decode step \(MHA, batch 1\): ([\d.]+) ms back to back", out)
+    assert spaced and spaced.group(1) == '5'  # 1 layer: c_attn, c_proj, c_fc, mlp c_proj; and lm_head
     assert '| MHA (h_kv = 32) | 512.00 | 4.00 |' in out and '| GQA (h_kv = 8) | 128.00 | 1.00 |' in out
     assert '| MQA (h_kv = 1) | 16.00 | 0.12 |' in out and '| MLA (d_c = 512, d_R = 64) | 36.00 | 0.28 |' in out
     assert '| weights: 7e9 parameters at fp16 | | 13.0 |' in out

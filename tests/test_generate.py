@@ -82,3 +82,19 @@ def test_traces_as_one_graph_per_path(attn):
         for T in (4, 7, 9):  # the uncached window at several lengths
             torch.testing.assert_close(compiled(idx[:, :T])[0], model(idx[:, :T])[0], rtol=0, atol=0)
     torch._dynamo.reset()
+
+
+def test_in_place_compile_reaches_generation():
+    """sample.py --compile: model.compile() in place, since generate() calls self(...) and a
+    torch.compile(model) wrapper is never reached from there (nothing would be compiled)."""
+    from torch._dynamo.utils import counters
+    model = make_model('gqa').eval()
+    prompt = torch.randint(0, 40, (1, 4))
+    eager = model.generate(prompt, 6, temperature=0)
+    torch._dynamo.reset()
+    counters.clear()
+    wrapped = torch.compile(model, backend='eager')
+    assert torch.equal(wrapped.generate(prompt, 6, temperature=0), eager) and not counters['stats']['unique_graphs']
+    model.compile(backend='eager', fullgraph=True)
+    assert torch.equal(model.generate(prompt, 6, temperature=0), eager) and counters['stats']['unique_graphs'] > 0
+    torch._dynamo.reset()

@@ -515,7 +515,7 @@ def decode_report(layouts, sizes, contexts, device, dtype, out, gen_tokens=240, 
              "microseconds on a CPU, whatever its size): " + ", ".join(f"{a} {n}" for a, n in ops_per_decode_step(layouts, sizes).items()) +
              ".\n" +
              "\n**(c) Prefill and training step** (prefill: batch 1 into a cache; training: batch 4):\n\n" +
-             train_step_times(layouts, sizes, device, dtype, step_T) + "\n![decode cost vs context](results/decode.png)\n")
+             train_step_times(layouts, sizes, device, dtype, step_T) + f"\n![decode cost vs context]({os.path.join(out, 'decode.png')})\n")
     return text
 
 

@@ -316,8 +316,8 @@ MATMULS = ('aten::mm', 'aten::addmm', 'aten::bmm', 'aten::baddbmm')
 def matmul_seconds_per_token(model, batch, device, t=136, steps=10):
     """Seconds per generated token that a cached decode step at context t (the middle of the generation
     run) spends inside matrix products, profiled in the real step: the part that cutting the other
-    operators cannot remove. (Timed apart, back to back, the same products run up to 2x faster on this
-    CPU than between the step's other operators, so a separate 'weight-read floor' flatters.)"""
+    operators cannot remove. (Timed apart, back to back, the same products run faster on this CPU than
+    between the step's other operators, so a separate 'weight-read floor' flatters.)"""
     from torch.profiler import ProfilerActivity, profile
     cuda = device.startswith('cuda')
     idx = torch.randint(0, model.config.vocab_size, (batch, t + 2 * steps), device=device)

@@ -14,6 +14,7 @@ from dataclasses import dataclass, replace
 import torch
 import torch.nn as nn
 from torch.nn import functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 ATTN_LAYOUTS = ('mha', 'gqa', 'mqa', 'mla', 'linear')
 POS_EMBS = ('rope', 'learned')
@@ -100,22 +101,26 @@ def apply_rope(x, rope):
     return torch.stack([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1).flatten(-2).type_as(x)
 
 
+# a new key length every decode step: never cuDNN attention there, which builds a plan per length (measured 10x
+# slower than no cache on an H200); the fused CPU kernel is FLASH_ATTENTION
+DECODE_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+
+
 def attend(q, k, v, scale=None, dropout_p=0.0):
     """softmax(q kᵀ * scale + causal mask) v where the L queries are the LAST L of the S key positions.
     q (B, nh, L, d), k (B, n_kv, S, d), v (B, n_kv, S, dv); n_kv divides nh (groups share a K/V head)."""
     B, H, L, D = q.shape
     H_kv, S = k.size(1), k.size(2)
-    if L == 1 and H != H_kv:  # decode: a group's G query heads become G queries of its one K/V head
-        y = F.scaled_dot_product_attention(q.view(B, H_kv, H // H_kv, D), k, v, dropout_p=dropout_p, scale=scale)
-        return y.view(B, H, 1, v.size(-1))  # (no mask: the one new position sees every key; 2-7x faster on CPU)
     if L == S:  # training, or a prefill into an empty cache: is_causal's top-left mask is right only here
         return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True, scale=scale,
                                               enable_gqa=H != H_kv)
-    # the queries are the last L of S positions: query i sees keys <= S - L + i, a right-aligned mask
-    # (one query, decoding, sees every key: no mask)
-    mask = None if L == 1 else torch.ones(L, S, dtype=torch.bool, device=q.device).tril(S - L)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, scale=scale,
-                                          enable_gqa=H != H_kv)
+    with sdpa_kernel(DECODE_BACKENDS):
+        if L == 1:  # decode: a group's G query heads become G queries of its one K/V head, no mask (all keys seen)
+            y = F.scaled_dot_product_attention(q.reshape(B, H_kv, H // H_kv, D), k, v, dropout_p=dropout_p, scale=scale)
+            return y.reshape(B, H, 1, v.size(-1))  # reshape, not view: the output's strides depend on the backend
+        mask = torch.ones(L, S, dtype=torch.bool, device=q.device).tril(S - L)  # query i sees keys <= S - L + i
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, scale=scale,
+                                              enable_gqa=H != H_kv)
 
 
 class KVCache:
@@ -320,7 +325,10 @@ class MultiHeadLatentAttention(nn.Module):
             latent, = cache.update(pos, latent)                             # (B, 1, S, dc + dR)
             q_lat = torch.einsum('bhld,hdc->bhlc', q[..., :dh], self.k_up.weight.view(H, dh, dc))
             q = torch.cat([q_lat, q[..., dh:]], dim=-1)                     # (B, nh, L, dc + dR)
-            y = attend(q, latent, latent[..., :dc], self.scale, dropout_p)  # MQA: one key, value = c
+            # MQA with one key [c | k_R] and value c; the value is passed whole and its k_R columns dropped after,
+            # so K and V have one head dim and the fused kernel reads the cache once (else: a math kernel that
+            # rescales the whole cache every step)
+            y = attend(q, latent, latent, self.scale, dropout_p)[..., :dc]  # (B, nh, L, dc)
             y = torch.einsum('bhlc,hdc->bhld', y, self.v_up.weight.view(H, dh, dc))  # (B, nh, L, dh)
         return self.resid_dropout(self.c_proj(y.transpose(1, 2).contiguous().view(B, L, H * dh)))
 

@@ -107,3 +107,33 @@ def test_attend_equals_naive_reference(L, S):
     torch.testing.assert_close(attend(q, k, v), reference(q, k, v), atol=1e-12, rtol=0)
     torch.testing.assert_close(attend(q, k, v, scale=0.3), reference(q * 0.3 * math.sqrt(D), k, v),
                                atol=1e-12, rtol=0)
+
+
+@pytest.mark.parametrize('L,S', SHAPES)
+def test_attend_whatever_strides_sdpa_returns_and_takes(L, S, monkeypatch):
+    """CUDA's efficient-attention kernel returns non-contiguous outputs (a grouped decode once crashed in
+    .view there), and the cache hands attend strided slices. Same values, any strides: same answer."""
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    monkeypatch.setattr(torch.nn.functional, 'scaled_dot_product_attention',
+                        lambda *a, **kw: sdpa(*a, **kw).transpose(1, 2).contiguous().transpose(1, 2))
+    q, k, v = inputs(L, S, seed=2)
+    q_strided = q.transpose(1, 2).contiguous().transpose(1, 2)               # (B, H, L, D) laid out (B, L, H, D)
+    k_strided = torch.cat([k, k], dim=-2)[:, :, :S]                          # a slice of a longer buffer
+    out = attend(q_strided, k_strided, v)
+    torch.testing.assert_close(out, reference(q, k, v), atol=1e-12, rtol=0)
+
+
+def test_decode_never_runs_cudnn(attn, monkeypatch):
+    """A decode step has a new key length each time: cuDNN attention would build a plan per length (10x
+    slower than no cache on an H200). Every SDPA call with L != S runs with cuDNN disabled."""
+    from conftest import make_model
+    sdpa, seen = torch.nn.functional.scaled_dot_product_attention, []
+
+    def spy(q, k, *a, **kw):
+        seen.append((q.size(-2), k.size(-2), torch.backends.cuda.cudnn_sdp_enabled()))
+        return sdpa(q, k, *a, **kw)
+    monkeypatch.setattr(torch.nn.functional, 'scaled_dot_product_attention', spy)
+    make_model(attn, dtype=torch.float32).generate(torch.randint(0, 40, (2, 4)), 10, temperature=0)
+    decode = [cudnn for L, S, cudnn in seen if L != S]
+    assert attn == 'linear' or (len(decode) >= 9 and not any(decode))
+    assert not seen or any(cudnn for L, S, cudnn in seen if L == S)  # training / prefill keep every backend

@@ -98,3 +98,19 @@ def test_in_place_compile_reaches_generation():
     model.compile(backend='eager', fullgraph=True)
     assert torch.equal(model.generate(prompt, 6, temperature=0), eager) and counters['stats']['unique_graphs'] > 0
     torch._dynamo.reset()
+
+
+@pytest.mark.parametrize('backend', ['FLASH_ATTENTION', 'MATH'])
+def test_decode_tokens_do_not_depend_on_the_sdpa_backend(attn, backend, monkeypatch):
+    """Greedy tokens, cached and not, are the same whether SDPA runs its fused kernel or the math one,
+    in prefill (the caller's choice, math where the fused kernel can't: MLA's training path has d_k != d_v)
+    and in decode (attend's DECODE_BACKENDS)."""
+    import model as model_module
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    m = make_model(attn, dtype=torch.float32)
+    prompt = torch.randint(0, 40, (2, 4), generator=torch.Generator().manual_seed(0))
+    reference = m.generate(prompt, 40, temperature=0, use_cache=False)  # default backends, no cache
+    monkeypatch.setattr(model_module, 'DECODE_BACKENDS', [getattr(SDPBackend, backend)])
+    with sdpa_kernel([getattr(SDPBackend, backend), SDPBackend.MATH]):
+        assert torch.equal(m.generate(prompt, 40, temperature=0, use_cache=True), reference)
+        assert torch.equal(m.generate(prompt, 40, temperature=0, use_cache=False), reference)

@@ -54,6 +54,30 @@ def test_compare_table(ckpt_dir):
     assert held == [f'cache bytes at the end ({n - 1 - start} tokens x 2 samples)']  # the live cache, not a refill
 
 
+def test_dtype_reaches_the_weights_and_the_cache(ckpt_dir):
+    """--dtype=bfloat16 runs the model and its cache in 16 bits (on CPU too): half the cache bytes."""
+    tables = []
+    for dtype in ('float32', 'bfloat16'):
+        out = sample(ckpt_dir, '--compare', '--num_samples=1', '--max_new_tokens=20', f'--dtype={dtype}', '--device=cpu')
+        tables.append({k.strip(): v for k, v in (line.split(' | ', 1) for line in out.splitlines() if ' | ' in line)})
+    assert [t['device / dtype'] for t in tables] == ['cpu / float32', 'cpu / bfloat16']
+    per_token = [float(t['cache bytes / token: measured'].replace(',', '')) for t in tables]
+    assert per_token[1] * 2 == per_token[0] and tables[1]['tokens identical'] == 'yes'
+
+
+def test_defaults_to_cuda_where_available(ckpt_dir):
+    """With CUDA reported available, sample.py picks it (bfloat16 where supported) unless told otherwise; this
+    machine has no CUDA, so loading then fails in one line, naming it."""
+    fake = ("import sys, runpy, torch; torch.cuda.is_available = lambda: True; "
+            "torch.cuda.is_bf16_supported = lambda: True; sys.argv = ['sample.py'] + sys.argv[1:]; "
+            "runpy.run_path('sample.py', run_name='__main__')")
+    r = run('-c', fake, f'--out_dir={ckpt_dir}', '--max_new_tokens=5', '--compare', '--num_samples=1')
+    assert r.returncode != 0 and 'Traceback' not in r.stderr and 'cuda' in r.stderr.lower(), r.stderr
+    r = run('-c', fake, f'--out_dir={ckpt_dir}', '--max_new_tokens=5', '--compare', '--num_samples=1', '--device=cpu',
+            '--dtype=float32')
+    assert r.returncode == 0 and 'cpu / float32' in r.stdout, r.stderr
+
+
 def test_streaming_one_sample_and_file_prompt(ckpt_dir, tmp_path):
     prompt = tmp_path / 'p.txt'
     prompt.write_text('KING:\n')

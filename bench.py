@@ -5,7 +5,8 @@ Benchmarks that print numbers measured side by side in one run (never timed test
     python bench.py cache --readme        # ... and rewrite the table in README.md
     python bench.py train                 # the CPU preset for every layout: losses, speed, curves
     python bench.py train --nanogpt PATH  # ... plus training-step time next to nanoGPT's model.py at PATH
-    python bench.py decode                # cache memory, decode cost vs context, cached vs uncached generation
+    python bench.py decode                # decode roofline (batch 16, t=2048), cache memory, decode vs context,
+                                          # cached vs uncached generation
     python bench.py convert               # MHA -> GQA / MQA by mean-pooling K/V heads, then uptraining
 """
 import argparse
@@ -310,77 +311,104 @@ def decode_costs(layouts, sizes, contexts, device, dtype, compile=False, rounds=
     return out
 
 
-MATMULS = ('aten::mm', 'aten::addmm', 'aten::bmm', 'aten::baddbmm')
+def machine_floors(device, dtype):
+    """What this machine can do, measured now: memory bandwidth, (read + write bytes) / time of a large tensor
+    copy (CPU 256 MiB, GPU 1 GiB), and the matmul rate of one large square product, in dtype."""
+    n = (2 ** 30 if device.startswith('cuda') else 2 ** 28) // 4
+    x = torch.ones(n, device=device)
+    y = torch.empty_like(x)
+    bandwidth = 2 * x.nbytes / timed(lambda: y.copy_(x), device, reps=5)
+    m = 8192 if device.startswith('cuda') else 2048
+    a, b = (torch.randn(m, m, device=device, dtype=dtype) for _ in range(2))
+    return bandwidth, 2 * m ** 3 / timed(lambda: a @ b, device, reps=5)
 
 
-def matmul_seconds_per_token(model, batch, device, t=136, steps=10):
-    """Seconds per generated token that a cached decode step at context t (the middle of the generation
-    run) spends inside matrix products, profiled in the real step: the part that cutting the other
-    operators cannot remove. (Timed apart, back to back, the same products run faster on this CPU than
-    between the step's other operators, so a separate 'weight-read floor' flatters.)"""
-    from torch.profiler import ProfilerActivity, profile
-    cuda = device.startswith('cuda')
-    idx = torch.randint(0, model.config.vocab_size, (batch, t + 2 * steps), device=device)
-    cache = model.init_cache(batch)
-    model(idx[:, :t], cache=cache)
-    for i in range(steps):  # warm-up (and compilation)
-        model(idx[:, t + i:t + i + 1], cache=cache)
-    with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
-        for i in range(steps, 2 * steps):
-            model(idx[:, t + i:t + i + 1], cache=cache)
-        sync(device)
-    us = sum(e.self_device_time_total if cuda else e.self_cpu_time_total
-             for e in prof.key_averages() if e.key in MATMULS)
-    return us / 1e6 / steps / batch
-
-
-@torch.inference_mode()
-def matmuls_back_to_back_vs_spaced(sizes, device, dtype, gap_us=50, reps=50):
-    """The weight products of one decode step (every Linear times one vector), timed back to back and
-    with gap_us of busy Python between them, as they run inside a real step. Median ms of each."""
-    model = build(GPTConfig(**sizes), device, dtype)
-    pairs = [(torch.randn(1, m.in_features, device=device, dtype=dtype), m.weight)
-             for m in model.modules() if isinstance(m, torch.nn.Linear)]
-
-    def spin():
-        end = time.perf_counter() + gap_us / 1e6
-        while time.perf_counter() < end:
-            pass
-    tight = timed(lambda: [torch.nn.functional.linear(x, w) for x, w in pairs], device, reps)
-    gaps = timed(lambda: [spin() for _ in pairs], device, reps)
-    spaced = timed(lambda: [(torch.nn.functional.linear(x, w), spin()) for x, w in pairs], device, reps)
-    return len(pairs), tight * 1000, (spaced - gaps) * 1000
+def step_flops(step):
+    """FLOPs of one call of step, counted by torch.utils.flop_counter with SDPA on its math backend (the
+    counter sees the math kernel's matrix products, not the fused kernels)."""
+    import model as model_module
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.utils.flop_counter import FlopCounterMode
+    backends, model_module.DECODE_BACKENDS = model_module.DECODE_BACKENDS, [SDPBackend.MATH]
+    try:
+        with sdpa_kernel([SDPBackend.MATH]), FlopCounterMode(display=False) as counter:
+            step()
+    finally:
+        model_module.DECODE_BACKENDS = backends
+    return counter.get_total_flops()
 
 
 @torch.inference_mode()
-def ops_per_decode_step(layouts, sizes):
-    """aten operators eager PyTorch dispatches for one cached decode step (batch 1), per layout."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    class Count(TorchDispatchMode):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            self.n += 1
-            return func(*args, **(kwargs or {}))
-    out = {}
+def roofline(layouts, sizes, batch, t, device, dtype, rounds=15, chunk=512):
+    """One cached decode step per layout at batch `batch` and context t, next to its two floors: the bytes it
+    must read (every weight once, and the filled cache) / bandwidth, and its FLOPs / matmul rate. The
+    layouts and the machine measurements take turns, one each per round, so a slow moment hits all alike."""
+    runs = {}
     for attn in layouts:
-        model = GPT(GPTConfig(attn=attn, **sizes)).eval()
-        cache = model.init_cache(1)
-        model(torch.zeros(1, 2, dtype=torch.long), cache=cache)
-        with Count() as count:
-            count.n = 0
-            model(torch.zeros(1, 1, dtype=torch.long), cache=cache)
-        out[attn] = count.n
-    return out
+        model = build(GPTConfig(attn=attn, **{**sizes, 'block_size': t + 1}), device, dtype)
+        idx = torch.randint(0, model.config.vocab_size, (batch, t + 1), device=device)
+        cache = model.init_cache(batch)
+        for i in range(0, t, chunk):  # prefill in chunks: bounded memory for the materialized attention
+            model(idx[:, i:min(i + chunk, t)], cache=cache)
+
+        def step(model=model, cache=cache, idx=idx):  # the token at position t, again and again
+            cache.pos = t
+            model(idx[:, t:], cache=cache)
+        step()
+        nbytes = sum(p.nbytes for p in model.parameters()) + cache.nbytes
+        runs[attn] = dict(step=step, bytes=nbytes, flops=step_flops(step), times=[])
+    bandwidths, rates = [], []
+    for _ in range(rounds):
+        bandwidth, rate = machine_floors(device, dtype)
+        bandwidths.append(bandwidth)
+        rates.append(rate)
+        for run in runs.values():
+            run['times'].append(timed(run['step'], device, reps=1, warmup=False))
+    bandwidth, rate = statistics.median(bandwidths), statistics.median(rates)
+    for run in runs.values():
+        run['ms'] = statistics.median(run['times']) * 1000
+        run['floors'] = {'bytes': run['bytes'] / bandwidth * 1000, 'FLOPs': run['flops'] / rate * 1000}
+    return runs, bandwidth, rate
+
+
+def roofline_table(runs, bandwidth, rate, batch, t):
+    rows = [f"Cached decode step, batch {batch}, context t={t}; floors measured in the same run: bandwidth "
+            f"**{bandwidth / 1e9:.1f} GB/s** (a large tensor copy, read + write bytes), matmul rate "
+            f"**{rate / 1e9:,.0f} GFLOP/s** (one large square product). Medians of interleaved rounds.\n",
+            "| layout | step ms | bytes read: weights + cache | GFLOP | bytes floor ms | FLOP floor ms | binds | "
+            "% of floor |", "|---|---|---|---|---|---|---|---|"]
+    for attn, run in runs.items():
+        binds = max(run['floors'], key=run['floors'].get)
+        rows.append(f"| {attn} | {run['ms']:.3g} | {run['bytes'] / 1e6:,.3g} MB | {run['flops'] / 1e9:.3g} | "
+                    f"{run['floors']['bytes']:.3g} | {run['floors']['FLOPs']:.3g} | {binds} | "
+                    f"**{100 * run['floors'][binds] / run['ms']:.0f}%** |")
+    return "\n".join(rows) + "\n"
+
+
+def plot_roofline(runs, bandwidth, path):
+    fig, ax = new_plot()
+    mb = [run['bytes'] / 1e6 for run in runs.values()]
+    xs = [min(mb) / 1.5, max(mb) * 1.5]
+    ax.plot(xs, [x * 1e6 / bandwidth * 1000 for x in xs], color='black', ls='--',
+            label=f'bytes floor: bytes / {bandwidth / 1e9:.1f} GB/s')
+    for i, (attn, run) in enumerate(runs.items()):
+        ax.plot(run['bytes'] / 1e6, run['ms'], marker='o', ls='', color=f'C{i}', label=f'{attn}: step')
+        ax.plot(run['bytes'] / 1e6, run['floors']['FLOPs'], marker='_', ms=16, ls='', color=f'C{i}',
+                label=f'{attn}: FLOP floor')
+    ax.set_xscale('log')
+    ax.set_yscale('log')
+    ax.set_xlabel('bytes one decode step must read: weights + cache (MB)')
+    ax.set_ylabel('ms per decode step')
+    ax.set_title('decode step vs bytes read, with the floors')
+    save_plot(fig, ax, path, fontsize=7, ncol=2)
 
 
 @torch.inference_mode()
 def generation_speedup(layouts, sizes, device, dtype, compile=False, prompt=16, new=240, batches=(1, 8)):
     """Greedy generation, `new` tokens after a 16-token prompt at block 256, with and without the
-    cache; each way run twice, taking turns, the faster run counted. The last two columns say what
-    bounds the speedup: the ms per token a cached step spends in matrix products (profiled in the step),
-    and uncached time per token / that, the speedup if every other operator were free."""
-    rows = ["| layout | batch | tokens/s with cache | tokens/s without | speedup | identical greedy tokens | "
-            "cached ms/token: all / in matmuls | bound: uncached / matmuls |", "|---|---|---|---|---|---|---|---|"]
+    cache; each way run twice, taking turns, the faster run counted."""
+    rows = ["| layout | batch | tokens/s with cache | tokens/s without | speedup | identical greedy tokens |",
+            "|---|---|---|---|---|---|"]
     for attn in layouts:
         cfg = GPTConfig(attn=attn, **{**sizes, 'block_size': 256})
         model = build(cfg, device, dtype, compile)
@@ -395,11 +423,8 @@ def generation_speedup(layouts, sizes, device, dtype, compile=False, prompt=16, 
                 sync(device)
                 secs[use_cache].append(time.perf_counter() - t0)
             cached, plain = min(secs[True]), min(secs[False])
-            mm = matmul_seconds_per_token(model, batch, device)
             rows.append(f"| {attn} | {batch} | {batch * new / cached:,.1f} | {batch * new / plain:,.1f} | "
-                        f"{plain / cached:.1f}x | {'yes' if torch.equal(out[True], out[False]) else 'NO'} | "
-                        f"{cached / (batch * new) * 1000:.3g} / {mm * 1000:.3g} | "
-                        f"{f'{plain / (batch * new) / mm:.1f}x' if mm else '—'} |")
+                        f"{plain / cached:.1f}x | {'yes' if torch.equal(out[True], out[False]) else 'NO'} |")
     return "\n".join(rows) + "\n"
 
 
@@ -479,7 +504,10 @@ def plot_decode(costs, layouts, contexts, path):
     save_plot(fig, ax, path, fontsize=7, ncol=2)
 
 
-def decode_report(layouts, sizes, contexts, device, dtype, out, gen_tokens=240, step_T=(256, 1024), compile=False):
+def decode_report(layouts, sizes, contexts, device, dtype, out, gen_tokens=240, step_T=(256, 1024), compile=False,
+                  batch=16, t=2048):
+    runs, bandwidth, rate = roofline(layouts, sizes, batch, t, device, dtype)
+    plot_roofline(runs, bandwidth, os.path.join(out, 'roofline.png'))
     costs = decode_costs(layouts, sizes, contexts, device, dtype, compile)
     plot_decode(costs, layouts, contexts, os.path.join(out, 'decode.png'))
     head = "| layout | " + " | ".join(f"t={t} cached / no cache" for t in contexts) + " |"
@@ -489,13 +517,14 @@ def decode_report(layouts, sizes, contexts, device, dtype, out, gen_tokens=240, 
                                               for t in contexts) + " |")
     text = (f"Machine: {machine()}. Model: {sizes['n_layer']} layers, {sizes['n_head']} heads, "
             f"n_embd {sizes['n_embd']}, random init, {str(dtype).replace('torch.', '')}, device {device}"
-            f"{'; (b) and the generation table with torch.compile(fullgraph=True), (c) eager' if compile else ', eager'}.\n\n"
-            "**(a) Cache memory, formula vs measured** (one sequence):\n\n" +
+            f"{'; (c) and the generation table with torch.compile(fullgraph=True), the rest eager' if compile else ', eager'}.\n\n"
+            "**(a) Roofline of one decode step**\n\n" + roofline_table(runs, bandwidth, rate, batch, t) +
+            f"\n![decode step vs bytes read]({os.path.join(out, 'roofline.png')})\n"
+            "\n**(b) Cache memory, formula vs measured** (one sequence):\n\n" +
             memory_table(layouts, sizes, [c for c in contexts if c <= 1024] or contexts[:1], device, dtype) +
             "\n**The 7B table**, from `GPTConfig.cache_bytes` (nothing allocated):\n\n" + seven_b_table() +
-            "\n**(b) Decode cost vs context**, ms per generated token (cached / without cache):\n\n" +
+            "\n**(c) Decode cost vs context**, batch 1, ms per generated token (cached / without cache):\n\n" +
             "\n".join(rows) + "\n")
-    ratio = {}
     if 'linear' in layouts and len(contexts) > 1:
         lo = min(contexts, key=lambda c: abs(c - 128))
         ratio = costs['linear', max(contexts)][0] / costs['linear', lo][0]
@@ -508,14 +537,9 @@ def decode_report(layouts, sizes, contexts, device, dtype, out, gen_tokens=240, 
     text += (f"\n**Generation, {gen_tokens} new tokens after a 16-token prompt, block 256, greedy** (the best "
              "of two runs each way):\n\n" +
              generation_speedup(layouts, sizes, device, dtype, compile, new=gen_tokens) +
-             "\nThe {} weight products of one decode step (MHA, batch 1): {:.2f} ms back to back, {:.2f} ms with "
-             "50 µs of busy Python between them, as inside a step.\n".format(
-                 *matmuls_back_to_back_vs_spaced(sizes, device, dtype)) +
-             "\naten operators eager PyTorch dispatches for one cached decode step at batch 1 (each costs "
-             "microseconds on a CPU, whatever its size): " + ", ".join(f"{a} {n}" for a, n in ops_per_decode_step(layouts, sizes).items()) +
-             ".\n" +
-             "\n**(c) Prefill and training step** (prefill: batch 1 into a cache; training: batch 4):\n\n" +
-             train_step_times(layouts, sizes, device, dtype, step_T) + f"\n![decode cost vs context]({os.path.join(out, 'decode.png')})\n")
+             "\n**(d) Prefill and training step** (prefill: batch 1 into a cache; training: batch 4):\n\n" +
+             train_step_times(layouts, sizes, device, dtype, step_T) +
+             f"\n![decode cost vs context]({os.path.join(out, 'decode.png')})\n")
     return text
 
 
@@ -537,7 +561,7 @@ def main(argv=None):
     sub = p.add_subparsers(dest='mode', required=True)
     modes = {'cache': 'cache elements/bytes per token at the default config, formula vs measured',
              'train': 'train the CPU preset for each layout: losses, ms/iter, val-loss plot',
-             'decode': 'cache memory, decode cost vs context, generation speedup, prefill/train step',
+             'decode': 'decode roofline, cache memory, decode cost vs context, generation speedup, prefill/train step',
              'convert': 'MHA -> GQA/MQA by mean-pooling, with and without uptraining, vs from scratch'}
     parsers = {m: sub.add_parser(m, help=h) for m, h in modes.items()}
     for m, q in parsers.items():
@@ -564,7 +588,9 @@ def main(argv=None):
     d.add_argument('--dtype', default='float32', choices=['float32', 'bfloat16', 'float16'])
     d.add_argument('--gen_tokens', type=int, default=240, help='new tokens in the generation speedup run')
     d.add_argument('--step_T', default='256,1024', help='sequence lengths of the prefill / training-step table')
-    d.add_argument('--compile', action='store_true', help='torch.compile the models of (b) and the generation table')
+    d.add_argument('--compile', action='store_true', help='torch.compile the models of (c) and the generation table')
+    d.add_argument('--batch', type=int, default=16, help='batch of the roofline table')
+    d.add_argument('--t', type=int, default=2048, help='context of the roofline table')
     args = p.parse_args(argv)
     layouts = args.layouts.split(',') if args.mode != 'convert' else []
     unknown = [x for x in layouts if x not in ATTN_LAYOUTS]
@@ -625,6 +651,8 @@ def main(argv=None):
         except ValueError as e:
             p.error(str(e))
         torch.manual_seed(0)
+        if args.batch < 1 or args.t < 1:
+            p.error(f"--batch={args.batch} and --t={args.t} must be >= 1")
         if args.gen_tokens < 1:
             p.error(f"--gen_tokens={args.gen_tokens} must be >= 1")
         try:
@@ -632,7 +660,7 @@ def main(argv=None):
         except ValueError:
             p.error(f"--step_T {args.step_T!r}: give comma-separated integers")
         body = decode_report(layouts, sizes, contexts, args.device, getattr(torch, args.dtype), args.out,
-                             args.gen_tokens, step_T, args.compile)
+                             args.gen_tokens, step_T, args.compile, args.batch, args.t)
     if args.mode != 'cache':
         with open(os.path.join(args.out, f'{args.mode}.md'), 'w') as f:
             f.write(body)

@@ -84,21 +84,23 @@ class GPTConfig:
 # What the layouts share: RoPE, the causal attention call, the caches.
 
 def rope_table(dim, length, base):
-    """(length, dim/2, 2): cos and sin of angle pos * base^(-2i/dim) for positions 0..length-1, float32
-    (the angles in float64: in float32 their error grows with the position, ~1e-4 rad at 2048)."""
+    """(length, 2, dim) for positions 0..length-1: cos(pos theta_i) and the signed sin (-sin, +sin) of
+    angle pos theta_i, theta_i = base^(-2i/dim), each repeated for its pair (x[2i], x[2i+1]). float32, the
+    angles computed in float64 (in float32 their error grows with the position, ~1e-4 rad at 2048)."""
     inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
-    angles = torch.outer(torch.arange(length, dtype=torch.float64), inv_freq)
-    return torch.stack([angles.cos(), angles.sin()], dim=-1).float()
+    angles = torch.outer(torch.arange(length, dtype=torch.float64), inv_freq).repeat_interleave(2, dim=1)
+    sign = torch.tensor([-1.0, 1.0], dtype=torch.float64).repeat(dim // 2)
+    return torch.stack([angles.cos(), angles.sin() * sign], dim=1).float()
 
 
 def apply_rope(x, rope):
-    """Rotate each pair (x[2i], x[2i+1]) of x (..., L, d) by its position's angle (interleaved layout),
-    in float32 at least. rope: (L, d/2, 2) cos and sin, or None for no rotation."""
+    """Rotate each pair (x[2i], x[2i+1]) of x (..., L, d) by its position's angle (interleaved layout), in
+    float32 at least: (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin). rope: (L, 2, d) from rope_table, or None."""
     if rope is None:
         return x
-    x1, x2 = x.to(torch.promote_types(x.dtype, torch.float32)).unflatten(-1, (-1, 2)).unbind(-1)
-    cos, sin = rope.unbind(-1)  # real arithmetic, not a complex product: torch.compile cannot fuse complex ops
-    return torch.stack([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1).flatten(-2).type_as(x)
+    cos, sin = rope.unbind(-2)  # real arithmetic, not a complex product: torch.compile cannot fuse complex ops
+    x32 = x.to(torch.promote_types(x.dtype, torch.float32))
+    return (x32 * cos + x32.unflatten(-1, (-1, 2)).flip(-1).flatten(-2) * sin).type_as(x)
 
 
 # a new key length every decode step: never cuDNN attention there, which builds a plan per length (measured 10x
@@ -421,7 +423,7 @@ class GPT(nn.Module):
             torch.nn.init.normal_(module.weight, mean=0.0, std=0.02)
 
     def rope(self, pos, L):
-        """cos and sin (L, d/2, 2) of the angles of positions [pos, pos + L), or None with learned positions."""
+        """RoPE's table (L, 2, d) for positions [pos, pos + L), or None with learned positions."""
         if self.config.pos_emb == 'learned':
             return None
         table = self.rope_table[pos:pos + L]

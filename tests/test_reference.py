@@ -42,8 +42,8 @@ ROPE_BUGS = {  # broken copies of RoPE that keep it self-consistent (cached == u
         rope_ref(torch.stack([x[..., :x.size(-1) // 2], x[..., x.size(-1) // 2:]], -1).flatten(-2),
                  p, base).unflatten(-1, (-1, 2)).unbind(-1), -1),
     'angle m^2 theta (not a function of m - n)': lambda x, p, base=10000.0: rope_ref(x, p * p, base),
-    'cos only, no sin': lambda x, p, base=10000.0: x * rope_table(x.size(-1), int(p.max()) + 1, base)[p][..., 0]
-    .repeat_interleave(2, -1).to(x.dtype),
+    'cos only, no sin': lambda x, p, base=10000.0: x * torch.cos(p.double()[:, None] * base ** (
+        -torch.arange(0, x.size(-1), 2, dtype=torch.float64) / x.size(-1))).repeat_interleave(2, -1).to(x.dtype),
 }
 
 

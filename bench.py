@@ -312,15 +312,15 @@ def decode_costs(layouts, sizes, contexts, device, dtype, compile=False, rounds=
 
 
 def machine_floors(device, dtype):
-    """What this machine can do, measured now: memory bandwidth, (read + write bytes) / time of a large tensor
-    copy (CPU 256 MiB, GPU 1 GiB), and the matmul rate of one large square product, in dtype."""
-    n = (2 ** 30 if device.startswith('cuda') else 2 ** 28) // 4
-    x = torch.ones(n, device=device)
-    y = torch.empty_like(x)
-    bandwidth = 2 * x.nbytes / timed(lambda: y.copy_(x), device, reps=5)
+    """What this machine can do, measured now: the matmul rate of one large square product in dtype, and memory
+    bandwidth, (read + write bytes) / time of a large tensor copy (CPU 256 MiB, GPU 1 GiB). The copy comes
+    last: it leaves the caches cold and lets the clock recover from the product's vector units."""
     m = 8192 if device.startswith('cuda') else 2048
     a, b = (torch.randn(m, m, device=device, dtype=dtype) for _ in range(2))
-    return bandwidth, 2 * m ** 3 / timed(lambda: a @ b, device, reps=5)
+    rate = 2 * m ** 3 / timed(lambda: a @ b, device, reps=5)
+    x = torch.ones((2 ** 30 if device.startswith('cuda') else 2 ** 28) // 4, device=device)
+    y = torch.empty_like(x)
+    return 2 * x.nbytes / timed(lambda: y.copy_(x), device, reps=5), rate
 
 
 def step_flops(step):
@@ -339,10 +339,11 @@ def step_flops(step):
 
 
 @torch.inference_mode()
-def roofline(layouts, sizes, batch, t, device, dtype, rounds=15, chunk=512):
-    """One cached decode step per layout at batch `batch` and context t, next to its two floors: the bytes it
-    must read (every weight once, and the filled cache) / bandwidth, and its FLOPs / matmul rate. The
-    layouts and the machine measurements take turns, one each per round, so a slow moment hits all alike."""
+def roofline(layouts, sizes, batch, t, device, dtype, compile=True, rounds=15, chunk=512):
+    """One cached decode step per layout at batch `batch` and context t, eager and (compile=True) compiled with
+    torch.compile(fullgraph=True), next to its two floors: the bytes it must read (every weight once, and the
+    filled cache) / bandwidth, and its FLOPs / matmul rate. The machine measurements and the steps take turns,
+    one each per round, so a slow moment of the machine hits them all alike."""
     runs = {}
     for attn in layouts:
         model = build(GPTConfig(attn=attn, **{**sizes, 'block_size': t + 1}), device, dtype)
@@ -353,35 +354,42 @@ def roofline(layouts, sizes, batch, t, device, dtype, rounds=15, chunk=512):
 
         def step(model=model, cache=cache, idx=idx):  # the token at position t, again and again
             cache.pos = t
-            model(idx[:, t:], cache=cache)
-        step()
-        nbytes = sum(p.nbytes for p in model.parameters()) + cache.nbytes
-        runs[attn] = dict(step=step, bytes=nbytes, flops=step_flops(step), times=[])
+            return model(idx[:, t:], cache=cache)[0]
+        steps = {'eager': step}
+        if compile:
+            torch._dynamo.reset()
+            steps['compiled'] = torch.compile(step, fullgraph=True)  # one graph, or an error: never silently eager
+            steps['compiled']()
+        runs[attn] = dict(steps=steps, bytes=sum(p.nbytes for p in model.parameters()) + cache.nbytes,
+                          flops=step_flops(step), times={k: [] for k in steps})
     bandwidths, rates = [], []
     for _ in range(rounds):
         bandwidth, rate = machine_floors(device, dtype)
         bandwidths.append(bandwidth)
         rates.append(rate)
         for run in runs.values():
-            run['times'].append(timed(run['step'], device, reps=1, warmup=False))
+            for kind, step in run['steps'].items():
+                run['times'][kind].append(timed(step, device, reps=1, warmup=False))
     bandwidth, rate = statistics.median(bandwidths), statistics.median(rates)
     for run in runs.values():
-        run['ms'] = statistics.median(run['times']) * 1000
+        run['ms'] = {kind: statistics.median(times) * 1000 for kind, times in run['times'].items()}
         run['floors'] = {'bytes': run['bytes'] / bandwidth * 1000, 'FLOPs': run['flops'] / rate * 1000}
     return runs, bandwidth, rate
 
 
 def roofline_table(runs, bandwidth, rate, batch, t):
+    kinds = list(next(iter(runs.values()))['ms'])
     rows = [f"Cached decode step, batch {batch}, context t={t}; floors measured in the same run: bandwidth "
             f"**{bandwidth / 1e9:.1f} GB/s** (a large tensor copy, read + write bytes), matmul rate "
-            f"**{rate / 1e9:,.0f} GFLOP/s** (one large square product). Medians of interleaved rounds.\n",
-            "| layout | step ms | bytes read: weights + cache | GFLOP | bytes floor ms | FLOP floor ms | binds | "
-            "% of floor |", "|---|---|---|---|---|---|---|---|"]
+            f"**{rate / 1e9:,.0f} GFLOP/s** (one large square product); medians of {len(runs[next(iter(runs))]['times'][kinds[0]])} "
+            "interleaved rounds.\n",
+            "| layout | bytes read: weights + cache | GFLOP | bytes floor ms | FLOP floor ms | binds | " +
+            " | ".join(f"{k} ms | {k} % of floor" for k in kinds) + " |", "|---|---|---|---|---|---|" + "---|---|" * len(kinds)]
     for attn, run in runs.items():
         binds = max(run['floors'], key=run['floors'].get)
-        rows.append(f"| {attn} | {run['ms']:.3g} | {run['bytes'] / 1e6:,.3g} MB | {run['flops'] / 1e9:.3g} | "
-                    f"{run['floors']['bytes']:.3g} | {run['floors']['FLOPs']:.3g} | {binds} | "
-                    f"**{100 * run['floors'][binds] / run['ms']:.0f}%** |")
+        rows.append(f"| {attn} | {run['bytes'] / 1e6:,.3g} MB | {run['flops'] / 1e9:.3g} | {run['floors']['bytes']:.3g} | "
+                    f"{run['floors']['FLOPs']:.3g} | {binds} | " +
+                    " | ".join(f"{run['ms'][k]:.3g} | **{100 * run['floors'][binds] / run['ms'][k]:.0f}%**" for k in kinds) + " |")
     return "\n".join(rows) + "\n"
 
 
@@ -392,15 +400,20 @@ def plot_roofline(runs, bandwidth, path):
     ax.plot(xs, [x * 1e6 / bandwidth * 1000 for x in xs], color='black', ls='--',
             label=f'bytes floor: bytes / {bandwidth / 1e9:.1f} GB/s')
     for i, (attn, run) in enumerate(runs.items()):
-        ax.plot(run['bytes'] / 1e6, run['ms'], marker='o', ls='', color=f'C{i}', label=f'{attn}: step')
-        ax.plot(run['bytes'] / 1e6, run['floors']['FLOPs'], marker='_', ms=16, ls='', color=f'C{i}',
-                label=f'{attn}: FLOP floor')
+        x = run['bytes'] / 1e6
+        ax.plot(x, run['ms']['eager'], 'o', color=f'C{i}', label=f'{attn}, eager step')
+        ax.annotate(attn, (x, run['ms']['eager']), textcoords='offset points', xytext=(6, 4), fontsize=8)
+        if 'compiled' in run['ms']:
+            ax.plot(x, run['ms']['compiled'], 's', color=f'C{i}', fillstyle='none')
+        ax.plot(x, run['floors']['FLOPs'], '_', ms=16, mew=2, color=f'C{i}')
+    ax.plot([], [], 's', color='gray', fillstyle='none', label='compiled step (same colour)')
+    ax.plot([], [], '_', ms=16, mew=2, color='gray', label='FLOP floor: FLOPs / matmul rate')
     ax.set_xscale('log')
     ax.set_yscale('log')
     ax.set_xlabel('bytes one decode step must read: weights + cache (MB)')
     ax.set_ylabel('ms per decode step')
     ax.set_title('decode step vs bytes read, with the floors')
-    save_plot(fig, ax, path, fontsize=7, ncol=2)
+    save_plot(fig, ax, path, fontsize=7, loc='lower right')
 
 
 @torch.inference_mode()
@@ -505,8 +518,8 @@ def plot_decode(costs, layouts, contexts, path):
 
 
 def decode_report(layouts, sizes, contexts, device, dtype, out, gen_tokens=240, step_T=(256, 1024), compile=False,
-                  batch=16, t=2048):
-    runs, bandwidth, rate = roofline(layouts, sizes, batch, t, device, dtype)
+                  batch=16, t=2048, roofline_compile=True):
+    runs, bandwidth, rate = roofline(layouts, sizes, batch, t, device, dtype, roofline_compile)
     plot_roofline(runs, bandwidth, os.path.join(out, 'roofline.png'))
     costs = decode_costs(layouts, sizes, contexts, device, dtype, compile)
     plot_decode(costs, layouts, contexts, os.path.join(out, 'decode.png'))
@@ -591,6 +604,7 @@ def main(argv=None):
     d.add_argument('--compile', action='store_true', help='torch.compile the models of (c) and the generation table')
     d.add_argument('--batch', type=int, default=16, help='batch of the roofline table')
     d.add_argument('--t', type=int, default=2048, help='context of the roofline table')
+    d.add_argument('--eager_only', action='store_true', help='no compiled column in the roofline (needs no compiler)')
     args = p.parse_args(argv)
     layouts = args.layouts.split(',') if args.mode != 'convert' else []
     unknown = [x for x in layouts if x not in ATTN_LAYOUTS]
@@ -660,7 +674,7 @@ def main(argv=None):
         except ValueError:
             p.error(f"--step_T {args.step_T!r}: give comma-separated integers")
         body = decode_report(layouts, sizes, contexts, args.device, getattr(torch, args.dtype), args.out,
-                             args.gen_tokens, step_T, args.compile, args.batch, args.t)
+                             args.gen_tokens, step_T, args.compile, args.batch, args.t, not args.eager_only)
     if args.mode != 'cache':
         with open(os.path.join(args.out, f'{args.mode}.md'), 'w') as f:
             f.write(body)

@@ -5,7 +5,12 @@ import re
 import subprocess
 import sys
 
+import pytest
+import torch
+
+import bench as bench_module
 from conftest import ROOT
+from model import GPT, GPTConfig
 
 
 def bench(*args):
@@ -16,21 +21,36 @@ def bench(*args):
 
 def test_decode_report_on_a_tiny_model(tmp_path):
     out = bench('decode', '--n_layer=1', '--n_head=4', '--n_embd=16', '--contexts=8,32', '--gen_tokens=12', '--step_T=32',
-                f'--out={tmp_path}')
+                '--batch=3', '--t=40', '--eager_only', f'--out={tmp_path}')
     assert out.startswith((tmp_path / 'decode.md').read_text())
-    assert (tmp_path / 'decode.png').stat().st_size > 10_000
+    assert (tmp_path / 'decode.png').stat().st_size > 10_000 and (tmp_path / 'roofline.png').stat().st_size > 10_000
+    roof = re.findall(r"\| (mha|gqa|mqa|mla|linear) \| ([\d.,e+]+) MB \| ([\d.e+-]+) \| ([\d.e+-]+) \| ([\d.e+-]+) \| "
+                      r"(bytes|FLOPs) \| ([\d.e+-]+) \| \*\*(\d+)%\*\* \|", out)
+    assert [r[0] for r in roof] == ['mha', 'gqa', 'mqa', 'mla', 'linear']
+    for attn, mb, gflop, bytes_ms, flop_ms, binds, ms, pct in roof:  # bytes read = every weight + the filled cache
+        cfg = GPTConfig(attn=attn, n_layer=1, n_head=4, n_embd=16, block_size=41)
+        weights = sum(p.numel() for p in GPT(cfg).parameters()) * 4
+        assert float(mb) == pytest.approx((weights + 3 * cfg.cache_bytes(40)) / 1e6, rel=5e-3)
+        assert float(gflop) > 0 and binds == ('bytes' if float(bytes_ms) >= float(flop_ms) else 'FLOPs')
+        assert abs(int(pct) - 100 * max(float(bytes_ms), float(flop_ms)) / float(ms)) < 2  # (printed to 3 digits)
+    flops = {r[0]: float(r[2]) for r in roof}
+    assert flops['mla'] > flops['mha']  # absorbed MLA: per head, d_c + d_R per key for the score and d_c for the value
     ratios = re.findall(r"\| (mha|gqa|mqa|mla|linear) \| (\d+) \| [\d,]+ \| [\d,]+ \| [\d.,]+ \| ([\d.]+) \|", out)
     assert len(ratios) == 10 and all(r == '1.000' for _, _, r in ratios)  # measured / formula, every layout
-    ops = re.search(r"cached decode step at batch 1 .*: mha (\d+), gqa (\d+), mqa (\d+), mla (\d+), linear (\d+)\.", out)
-    assert ops and all(int(n) > 0 for n in ops.groups())
-    gen = re.findall(r"\| yes \| ([\d.e-]+) / ([\d.e-]+) \| [\d.]+x \|", out)  # identical greedy tokens, batch 1 and 8
-    assert len(gen) == 10 and all(float(mm) > 0 for _, mm in gen)  # the profiler found the step's matmuls
-    spaced = re.search(r"The (\d+) weight products of one decode step \(MHA, batch 1\): ([\d.]+) ms back to back", out)
-    assert spaced and spaced.group(1) == '5'  # 1 layer: c_attn, c_proj, c_fc, mlp c_proj; and lm_head
+    gen = re.findall(r"\| (mha|gqa|mqa|mla|linear) \| (1|8) \| [\d.,]+ \| [\d.,]+ \| [\d.]+x \| yes \|", out)
+    assert len(gen) == 10  # identical greedy tokens with and without the cache, batch 1 and 8
     assert '| MHA (h_kv = 32) | 512.00 | 4.00 |' in out and '| GQA (h_kv = 8) | 128.00 | 1.00 |' in out
     assert '| MQA (h_kv = 1) | 16.00 | 0.12 |' in out and '| MLA (d_c = 512, d_R = 64) | 36.00 | 0.28 |' in out
     assert '| weights: 7e9 parameters at fp16 | | 13.0 |' in out
     assert re.search(r"outputs agree to \d\.\de-\d\d", out)
+
+
+def test_roofline_times_a_compiled_step():
+    """The compiled column is a real torch.compile(fullgraph=True) of the step (a graph break would raise)."""
+    runs, bandwidth, rate = bench_module.roofline(['mqa'], dict(n_layer=1, n_head=4, n_embd=16), 2, 16, 'cpu',
+                                                  torch.float32, compile=True, rounds=2)
+    assert set(runs['mqa']['ms']) == {'eager', 'compiled'} and all(v > 0 for v in runs['mqa']['ms'].values())
+    assert bandwidth > 1e8 and rate > 1e8
 
 
 def test_train_report_on_a_tiny_model(tmp_path, char_data):

@@ -1,0 +1,92 @@
+"""Deliberate one-line bugs in model.py, each run against the tests: how many does the suite catch?
+
+    python tests/mutants.py          # every mutant against the model-level tests (no train.py runs; minutes)
+    python tests/mutants.py --all    # ... and each survivor against the whole suite
+
+Each mutant replaces one exact fragment of model.py in a copy of the repo (never the working tree). A
+fragment that no longer matches model.py stops the run: a stale list must not pass for a caught bug.
+"""
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+MODEL_TESTS = ['test_attention.py', 'test_cache.py', 'test_config.py', 'test_generate.py', 'test_gpt.py',
+               'test_linear.py', 'test_memory.py', 'test_mla.py', 'test_property.py', 'test_reference.py']
+
+MUTANTS = [  # (what the bug is, the fragment, its replacement)
+    ("RoPE: theta_i = base^(-i/d)", "(base ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))",
+     "(base ** (torch.arange(0, dim, 2, dtype=torch.float64) / (2 * dim)))"),
+    ("RoPE: rotates the other way", "sign = torch.tensor([-1.0, 1.0]", "sign = torch.tensor([1.0, -1.0]"),
+    ("RoPE: pairs (x[i], x[i + d/2]) in apply_rope only", "x32.unflatten(-1, (-1, 2)).flip(-1).flatten(-2)",
+     "x32.unflatten(-1, (2, -1)).flip(-2).flatten(-2)"),
+    ("RoPE: every chunk rotated from position 0", "table = self.rope_table[pos:pos + L]",
+     "table = self.rope_table[:L]"),
+    ("attend: no causal mask in training/prefill", "dropout_p=dropout_p, is_causal=True, scale=scale,",
+     "dropout_p=dropout_p, is_causal=False, scale=scale,"),
+    ("attend: square (top-left) mask for L != S", ".tril(S - L)  # query i sees", ".tril()  # query i sees"),
+    ("attend: decode groups interleaved (h % n_kv)", "q.reshape(B, H_kv, H // H_kv, D), k, v,",
+     "q.reshape(B, H // H_kv, H_kv, D).transpose(1, 2), k, v,"),
+    ("softmax layouts: no 1/sqrt(d) scale", "return attend(q, k, v, dropout_p=self.dropout if self.training else 0.0)",
+     "return attend(q, k, v, 1.0, dropout_p=self.dropout if self.training else 0.0)"),
+    ("cache: update returns only the new keys", "return [buf[:, :, :end] for buf in self.bufs]",
+     "return [buf[:, :, pos:end] for buf in self.bufs]"),
+    ("cache: position advances by 1 per forward", "cache.pos += L  # once", "cache.pos += 1  # once"),
+    ("cache accounting: h_q for h_kv", "2 * self.n_kv_head * self.head_dim * T", "2 * self.n_head * self.head_dim * T"),
+    ("MLA: scale 1/sqrt(d_h)", "self.scale = 1.0 / math.sqrt(self.dh + self.dR)", "self.scale = 1.0 / math.sqrt(self.dh)"),
+    ("MLA: rope key not rotated", "apply_rope(k_rope, rope)], dim=-1)", "k_rope], dim=-1)"),
+    ("MLA: rope query not rotated", "apply_rope(q[..., dh:], rope)], dim=-1)", "q[..., dh:]], dim=-1)"),
+    ("MLA: latent cached before its norm", "torch.cat([self.kv_norm(c), apply_rope", "torch.cat([c, apply_rope"),
+    ("MLA: decode absorbs W_UK for W_UV", "torch.einsum('bhlc,hdc->bhld', y, self.v_up.weight",
+     "torch.einsum('bhlc,hdc->bhld', y, self.k_up.weight"),
+    ("MLA: decode value includes k_R", "self.scale, dropout_p)[..., :dc]", "self.scale, dropout_p)[..., -dc:]"),
+    ("linear: phi = elu(x) + 2 below 0", "torch.exp(x.clamp(max=0)))", "torch.exp(x.clamp(max=0)) + 1)"),
+    ("linear: parallel form excludes step t", "A = (q @ k.transpose(-2, -1)).tril()  # (B, nh, T, T)",
+     "A = (q @ k.transpose(-2, -1)).tril(-1)  # (B, nh, T, T)"),
+    ("linear: chunk state not exclusive", "S = torch.cat([state[0].unsqueeze(2), kv[:, :, :-1]], dim=2).cumsum(2)",
+     "S = torch.cat([state[0].unsqueeze(2), kv[:, :, 1:]], dim=2).cumsum(2)"),
+    ("linear: recurrent denominator + 1", "((q[:, :, t] * z).sum(-1, keepdim=True) + eps))",
+     "((q[:, :, t] * z).sum(-1, keepdim=True) + 1.0))"),
+    ("window: slide keeps the last token only", "start = idx.size(1) - max(1, block_size // 2)",
+     "start = idx.size(1) - 1"),
+    ("sample: top-k keeps ties below the k-th", "logits < v[:, [-1]]", "logits < v[:, [0]]"),
+]
+
+
+def run(tests, tree):
+    env = {**os.environ, 'SHAKESPEARE_PATH': os.environ.get('SHAKESPEARE_PATH') or os.path.join(
+        os.path.dirname(ROOT), 'shared', 'data', 'tinyshakespeare', 'input.txt')}
+    r = subprocess.run([sys.executable, '-m', 'pytest', '-q', '-x', '-n', '2', '-p', 'no:cacheprovider', *tests],
+                       cwd=tree, capture_output=True, text=True, env=env)
+    return r.returncode != 0, (r.stdout.strip().splitlines() or [''])[-1]
+
+
+def main():
+    with open(os.path.join(ROOT, 'model.py')) as f:
+        source = f.read()
+    files = subprocess.run(['git', 'ls-files'], cwd=ROOT, capture_output=True, text=True, check=True).stdout.split()
+    caught = 0
+    with tempfile.TemporaryDirectory() as tree:
+        for path in files:
+            os.makedirs(os.path.join(tree, os.path.dirname(path)), exist_ok=True)
+            shutil.copy(os.path.join(ROOT, path), os.path.join(tree, path))
+        failed, summary = run([os.path.join('tests', t) for t in MODEL_TESTS], tree)
+        if failed:
+            sys.exit(f"error: the tests fail on the unmutated model.py: {summary}")
+        for name, old, new in MUTANTS:
+            if source.count(old) != 1:
+                sys.exit(f"error: mutant {name!r}: its fragment occurs {source.count(old)} times in model.py")
+            with open(os.path.join(tree, 'model.py'), 'w') as f:
+                f.write(source.replace(old, new))
+            failed, summary = run([os.path.join('tests', t) for t in MODEL_TESTS], tree)
+            if not failed and '--all' in sys.argv:
+                failed, summary = run(['tests'], tree)
+            caught += failed
+            print(f"{'caught  ' if failed else 'SURVIVED'} {name}: {summary}", flush=True)
+    print(f"{caught} of {len(MUTANTS)} mutants caught")
+
+
+if __name__ == '__main__':
+    main()

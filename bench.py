@@ -360,8 +360,17 @@ def roofline(layouts, sizes, batch, t, device, dtype, compile=True, rounds=15, c
             torch._dynamo.reset()
             steps['compiled'] = torch.compile(step, fullgraph=True)  # one graph, or an error: never silently eager
             steps['compiled']()
-        runs[attn] = dict(steps=steps, bytes=sum(p.nbytes for p in model.parameters()) + cache.nbytes,
-                          flops=step_flops(step), times={k: [] for k in steps})
+        # the step's two big parts alone: attention over every layer's filled cache, every weight times a batch
+        if attn != 'linear':
+            kvs = [[buf[:, :, :t] for buf in layer.bufs] for layer in cache.layers]  # MLA: one buffer, K = V
+            q = torch.randn(batch, model.config.n_head, 1, kvs[0][0].size(-1), device=device, dtype=dtype)
+            steps['attention alone'] = lambda kvs=kvs, q=q: [attend(q, kv[0], kv[-1]) for kv in kvs]
+        linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+        xs = [torch.randn(batch, m.in_features, device=device, dtype=dtype) for m in linears]
+        steps['weights alone'] = lambda linears=linears, xs=xs: [m(x) for m, x in zip(linears, xs)]
+        weights = sum(p.nbytes for p in model.parameters())
+        runs[attn] = dict(steps=steps, bytes=weights + cache.nbytes, part_bytes={
+            'attention alone': cache.nbytes, 'weights alone': weights}, flops=step_flops(step), times={k: [] for k in steps})
     bandwidths, rates = [], []
     for _ in range(rounds):
         bandwidth, rate = machine_floors(device, dtype)
@@ -378,7 +387,7 @@ def roofline(layouts, sizes, batch, t, device, dtype, compile=True, rounds=15, c
 
 
 def roofline_table(runs, bandwidth, rate, batch, t):
-    kinds = list(next(iter(runs.values()))['ms'])
+    kinds = [k for k in next(iter(runs.values()))['ms'] if k in ('eager', 'compiled')]
     rows = [f"Cached decode step, batch {batch}, context t={t}; floors measured in the same run: bandwidth "
             f"**{bandwidth / 1e9:.1f} GB/s** (a large tensor copy, read + write bytes), matmul rate "
             f"**{rate / 1e9:,.0f} GFLOP/s** (one large square product); medians of {len(runs[next(iter(runs))]['times'][kinds[0]])} "
@@ -390,6 +399,16 @@ def roofline_table(runs, bandwidth, rate, batch, t):
         rows.append(f"| {attn} | {run['bytes'] / 1e6:,.3g} MB | {run['flops'] / 1e9:.3g} | {run['floors']['bytes']:.3g} | "
                     f"{run['floors']['FLOPs']:.3g} | {binds} | " +
                     " | ".join(f"{run['ms'][k]:.3g} | **{100 * run['floors'][binds] / run['ms'][k]:.0f}%**" for k in kinds) + " |")
+    rows += ["\nWhere the eager step goes: its two big parts timed alone in the same rounds (attention over every "
+             "layer's filled cache; every weight matrix times a batch of vectors), the bytes each reads over its time, "
+             "and what is left of the step (the other operators and their dispatch):\n",
+             "| layout | attention alone ms | its read rate | weight products alone ms | their read rate | "
+             "rest of the eager step ms |", "|---|---|---|---|---|---|"]
+    for attn, run in runs.items():
+        cells = [f"{run['ms'][k]:.3g} | {run['part_bytes'][k] / run['ms'][k] / 1e6:.1f} GB/s" if k in run['ms'] else "— | —"
+                 for k in ('attention alone', 'weights alone')]
+        rest = run['ms']['eager'] - run['ms'].get('attention alone', 0) - run['ms']['weights alone']
+        rows.append(f"| {attn} | {cells[0]} | {cells[1]} | {rest:.3g} |")
     return "\n".join(rows) + "\n"
 
 

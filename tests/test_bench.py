@@ -33,6 +33,13 @@ def test_decode_report_on_a_tiny_model(tmp_path):
         assert float(mb) == pytest.approx((weights + 3 * cfg.cache_bytes(40)) / 1e6, rel=5e-3)
         assert float(gflop) > 0 and binds == ('bytes' if float(bytes_ms) >= float(flop_ms) else 'FLOPs')
         assert abs(int(pct) - 100 * max(float(bytes_ms), float(flop_ms)) / float(ms)) < 2  # (printed to 3 digits)
+    eager = {r[0]: float(r[6]) for r in roof}
+    parts = re.findall(r"\| (mha|gqa|mqa|mla|linear) \| ([\d.e+-]+|—) \| (?:[\d.]+ GB/s|—) \| ([\d.e+-]+) \| [\d.]+ GB/s \| "
+                       r"(-?[\d.e+-]+) \|", out)
+    assert [p[0] for p in parts] == ['mha', 'gqa', 'mqa', 'mla', 'linear'] and parts[-1][1] == '—'
+    for attn, alone, weights, rest in parts:  # the rest is the eager step less its two parts timed alone
+        parts_ms = float(weights) + (0 if alone == '—' else float(alone))
+        assert float(rest) == pytest.approx(eager[attn] - parts_ms, abs=0.01 * eager[attn] + 1e-3)
     flops = {r[0]: float(r[2]) for r in roof}
     assert flops['mla'] > flops['mha']  # absorbed MLA: per head, d_c + d_R per key for the score and d_c for the value
     ratios = re.findall(r"\| (mha|gqa|mqa|mla|linear) \| (\d+) \| [\d,]+ \| [\d,]+ \| [\d.,]+ \| ([\d.]+) \|", out)
@@ -49,7 +56,8 @@ def test_roofline_times_a_compiled_step():
     """The compiled column is a real torch.compile(fullgraph=True) of the step (a graph break would raise)."""
     runs, bandwidth, rate = bench_module.roofline(['mqa'], dict(n_layer=1, n_head=4, n_embd=16), 2, 16, 'cpu',
                                                   torch.float32, compile=True, rounds=2)
-    assert set(runs['mqa']['ms']) == {'eager', 'compiled'} and all(v > 0 for v in runs['mqa']['ms'].values())
+    assert set(runs['mqa']['ms']) == {'eager', 'compiled', 'attention alone', 'weights alone'}
+    assert all(v > 0 for v in runs['mqa']['ms'].values())
     assert bandwidth > 1e8 and rate > 1e8
 
 

@@ -355,14 +355,15 @@ def roofline(layouts, sizes, batch, t, device, dtype, compile=True, rounds=15, c
         def step(model=model, cache=cache, idx=idx):  # the token at position t, again and again
             cache.pos = t
             return model(idx[:, t:], cache=cache)[0]
+        step()  # warm-up; from now on the cache holds the t + 1 keys each step attends to
         steps = {'eager': step}
         if compile:
             torch._dynamo.reset()
             steps['compiled'] = torch.compile(step, fullgraph=True)  # one graph, or an error: never silently eager
-            steps['compiled']()
+            steps['compiled']()  # compiles
         # the step's two big parts alone: attention over every layer's filled cache, every weight times a batch
         if attn != 'linear':
-            kvs = [[buf[:, :, :t] for buf in layer.bufs] for layer in cache.layers]  # MLA: one buffer, K = V
+            kvs = [[buf[:, :, :t + 1] for buf in layer.bufs] for layer in cache.layers]  # MLA: one buffer, K = V
             q = torch.randn(batch, model.config.n_head, 1, kvs[0][0].size(-1), device=device, dtype=dtype)
             steps['attention alone'] = lambda kvs=kvs, q=q: [attend(q, kv[0], kv[-1]) for kv in kvs]
         linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
@@ -388,7 +389,7 @@ def roofline(layouts, sizes, batch, t, device, dtype, compile=True, rounds=15, c
 
 def roofline_table(runs, bandwidth, rate, batch, t):
     kinds = [k for k in next(iter(runs.values()))['ms'] if k in ('eager', 'compiled')]
-    rows = [f"Cached decode step, batch {batch}, context t={t}; floors measured in the same run: bandwidth "
+    rows = [f"Cached decode step, batch {batch}, context t={t} (the step attends to t + 1 keys); floors measured in the same run: bandwidth "
             f"**{bandwidth / 1e9:.1f} GB/s** (a large tensor copy, read + write bytes), matmul rate "
             f"**{rate / 1e9:,.0f} GFLOP/s** (one large square product); medians of {len(runs[next(iter(runs))]['times'][kinds[0]])} "
             "interleaved rounds.\n",
@@ -432,7 +433,7 @@ def plot_roofline(runs, bandwidth, path):
     ax.set_xlabel('bytes one decode step must read: weights + cache (MB)')
     ax.set_ylabel('ms per decode step')
     ax.set_title('decode step vs bytes read, with the floors')
-    save_plot(fig, ax, path, fontsize=7, loc='lower right')
+    save_plot(fig, ax, path, fontsize=7, loc='upper left', bbox_to_anchor=(1.01, 1))  # outside: no point hidden
 
 
 @torch.inference_mode()
@@ -548,7 +549,8 @@ def decode_report(layouts, sizes, contexts, device, dtype, out, gen_tokens=240, 
         rows.append(f"| {attn} | " + " | ".join(f"{costs[attn, t][0]:.2f} / {costs[attn, t][1]:.1f}"
                                               for t in contexts) + " |")
     text = (f"Machine: {machine()}. Model: {sizes['n_layer']} layers, {sizes['n_head']} heads, "
-            f"n_embd {sizes['n_embd']}, random init, {str(dtype).replace('torch.', '')}, device {device}"
+            f"n_embd {sizes['n_embd']}, MLA d_c {sizes['kv_lora_rank']} d_R {sizes['rope_head_dim']}, random init, "
+            f"{str(dtype).replace('torch.', '')}, device {device}"
             f"{'; (c) and the generation table with torch.compile(fullgraph=True), the rest eager' if compile else ', eager'}.\n\n"
             "**(a) Roofline of one decode step**\n\n" + roofline_table(runs, bandwidth, rate, batch, t) +
             f"\n![decode step vs bytes read]({os.path.join(out, 'roofline.png')})\n"
@@ -557,8 +559,8 @@ def decode_report(layouts, sizes, contexts, device, dtype, out, gen_tokens=240, 
             "\n**The 7B table**, from `GPTConfig.cache_bytes` (nothing allocated):\n\n" + seven_b_table() +
             "\n**(c) Decode cost vs context**, batch 1, ms per generated token (cached / without cache):\n\n" +
             "\n".join(rows) + "\n")
-    if 'linear' in layouts and len(contexts) > 1:
-        lo = min(contexts, key=lambda c: abs(c - 128))
+    lo = min(contexts, key=lambda c: abs(c - 128))
+    if 'linear' in layouts and lo < max(contexts):
         ratio = costs['linear', max(contexts)][0] / costs['linear', lo][0]
         text += f"\nLinear attention, cached ms/token at t={max(contexts)} / at t={lo}: **{ratio:.2f}**\n"
     if 'mla' in layouts:
@@ -625,19 +627,20 @@ def main(argv=None):
     d.add_argument('--t', type=int, default=2048, help='context of the roofline table')
     d.add_argument('--eager_only', action='store_true', help='no compiled column in the roofline (needs no compiler)')
     args = p.parse_args(argv)
+    fail = parsers[args.mode].error  # says: see python bench.py MODE --help
     layouts = args.layouts.split(',') if args.mode != 'convert' else []
     unknown = [x for x in layouts if x not in ATTN_LAYOUTS]
     if unknown:
-        p.error(f"unknown layout(s) {unknown}; choose from {', '.join(ATTN_LAYOUTS)}")
+        fail(f"unknown layout(s) {unknown}; choose from {', '.join(ATTN_LAYOUTS)}")
     if args.mode != 'cache':
         os.makedirs(args.out, exist_ok=True)
     if args.mode == 'cache':
         body = cache_table(layouts)
     elif args.mode == 'train':
         if args.max_iters < 1:
-            p.error(f"--max_iters={args.max_iters} must be >= 1")
+            fail(f"--max_iters={args.max_iters} must be >= 1")
         if args.nanogpt and not os.path.isfile(args.nanogpt):
-            p.error(f"--nanogpt {args.nanogpt!r}: no such file")
+            fail(f"--nanogpt {args.nanogpt!r}: no such file")
         runs = train_runs(layouts, args.out, args.max_iters, args.extra)
         plot_curves(runs, os.path.join(args.out, 'train_val_loss.png'))
         body = (f"`python bench.py train --max_iters={args.max_iters}` on {machine()}: config/<layout>.py + "
@@ -654,9 +657,9 @@ def main(argv=None):
         try:
             fractions = sorted(float(f) for f in args.fractions.split(','))
         except ValueError:
-            p.error(f"--fractions {args.fractions!r}: give comma-separated numbers")
+            fail(f"--fractions {args.fractions!r}: give comma-separated numbers")
         if args.max_iters < 1 or fractions[0] < 0 or args.lr <= 0:
-            p.error("--max_iters must be >= 1, --fractions >= 0 and --lr > 0")
+            fail("--max_iters must be >= 1, --fractions >= 0 and --lr > 0")
         uptrain = sorted({round(f * args.max_iters) for f in fractions})
         runs = convert_runs(args.out, args.max_iters, uptrain, args.lr, args.extra)
         plot_convert(runs, args.max_iters, uptrain, os.path.join(args.out, 'convert.png'))
@@ -669,29 +672,34 @@ def main(argv=None):
         try:
             contexts = sorted(int(c) for c in args.contexts.split(','))
         except ValueError:
-            p.error(f"--contexts {args.contexts!r}: give comma-separated integers")
+            fail(f"--contexts {args.contexts!r}: give comma-separated integers")
         if contexts[0] < 1:
-            p.error("--contexts must be >= 1")
+            fail("--contexts must be >= 1")
+        if not re.fullmatch(r'cpu|cuda(:\d+)?', args.device):
+            fail(f"--device {args.device!r}: give cpu, cuda or cuda:N")
         if args.device.startswith('cuda') and not torch.cuda.is_available():
-            p.error(f"--device {args.device}: CUDA is not available here")
+            fail(f"--device {args.device}: CUDA is not available here")
         for name in ('n_layer', 'n_head', 'n_embd'):
             if getattr(args, name) < 1:
-                p.error(f"--{name} must be >= 1")
-        sizes = dict(n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd)
+                fail(f"--{name} must be >= 1")
+        head_dim = args.n_embd // args.n_head  # MLA at the paper's ratios: d_c = 4 head_dim, d_R = head_dim / 2
+        sizes = dict(n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd, kv_lora_rank=max(1, 4 * head_dim),
+                     rope_head_dim=max(2, head_dim // 4 * 2))
         try:
             for attn in layouts:
                 GPTConfig(attn=attn, **sizes)
         except ValueError as e:
-            p.error(str(e))
+            fail(str(e))
         torch.manual_seed(0)
-        if args.batch < 1 or args.t < 1:
-            p.error(f"--batch={args.batch} and --t={args.t} must be >= 1")
-        if args.gen_tokens < 1:
-            p.error(f"--gen_tokens={args.gen_tokens} must be >= 1")
+        for name in ('batch', 't', 'gen_tokens'):
+            if getattr(args, name) < 1:
+                fail(f"--{name}={getattr(args, name)} must be >= 1")
         try:
             step_T = tuple(int(t) for t in args.step_T.split(','))
         except ValueError:
-            p.error(f"--step_T {args.step_T!r}: give comma-separated integers")
+            fail(f"--step_T {args.step_T!r}: give comma-separated integers")
+        if min(step_T) < 1:
+            fail("--step_T must be >= 1")
         body = decode_report(layouts, sizes, contexts, args.device, getattr(torch, args.dtype), args.out,
                              args.gen_tokens, step_T, args.compile, args.batch, args.t, not args.eager_only)
     if args.mode != 'cache':

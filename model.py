@@ -33,8 +33,8 @@ class GPTConfig:
     n_kv_head: int = 0         # K/V heads of mha/gqa/mqa; 0 = the layout's default (n_head / smallest divisor > 1 / 1)
     pos_emb: str = 'rope'      # 'rope', or nanoGPT's 'learned' absolute positions
     rope_base: float = 10000.0
-    kv_lora_rank: int = 256    # MLA d_c: the cached latent (paper ratio d_c = 4 * head_dim)
-    rope_head_dim: int = 32    # MLA d_R: the decoupled rope query/key (paper ratio d_R = head_dim / 2)
+    kv_lora_rank: int = 256    # MLA d_c: the cached latent (4 * head_dim at the default sizes, the paper's ratio)
+    rope_head_dim: int = 32    # MLA d_R: the decoupled rope query/key (head_dim / 2 at the default sizes)
     q_lora_rank: int = 0       # MLA query compression; 0 = off (as DeepSeek-V2-Lite)
     chunk_size: int = 64       # linear attention: chunk of the chunkwise-parallel training form
     match_mha_params: bool = False  # widen/narrow the MLP so the model has MHA's parameter count
@@ -318,12 +318,13 @@ class MultiHeadLatentAttention(nn.Module):
         c, k_rope = self.kv_down(x).unsqueeze(1).split([dc, dR], dim=-1)  # (B, 1, L, dc), (B, 1, L, dR)
         latent = torch.cat([self.kv_norm(c), apply_rope(k_rope, rope)], dim=-1)  # (B, 1, L, dc + dR)
         dropout_p = self.dropout if self.training else 0.0
-        if cache is None:  # training: materialize per-head K and V and run ordinary attention
+        if cache is None:  # training (and uncached generation): materialize per-head K and V, ordinary attention
             k = torch.cat([self.k_up(latent[..., :dc]).view(B, L, H, dh).transpose(1, 2),
                            latent[..., dc:].expand(B, H, L, dR)], dim=-1)   # (B, nh, L, dh + dR)
             v = self.v_up(latent[..., :dc]).view(B, L, H, dh).transpose(1, 2)  # (B, nh, L, dh)
             y = attend(q, k, v, self.scale, dropout_p)                      # (B, nh, L, dh)
-        else:  # decode: W_UK folded into q, attention over cached latents, W_UV after; no K, V formed
+        else:  # with a cache (prefill, chunks, decode): W_UK folded into q, attention over the cached latents,
+            # W_UV after; no K, V formed
             latent, = cache.update(pos, latent)                             # (B, 1, S, dc + dR)
             q_lat = torch.einsum('bhld,hdc->bhlc', q[..., :dh], self.k_up.weight.view(H, dh, dc))
             q = torch.cat([q_lat, q[..., dh:]], dim=-1)                     # (B, nh, L, dc + dR)

@@ -7,6 +7,7 @@ Sample from a trained checkpoint, with or without the cache, or both side by sid
     python sample.py --start=FILE:prompt.txt --num_samples=1 --temperature=0
 """
 import os
+import re
 import sys
 import time
 
@@ -43,6 +44,8 @@ for name, ok, rule in (('max_new_tokens', max_new_tokens >= 0, '>= 0'), ('top_k'
         fail(f"{name}={globals()[name]!r} must be {rule}")
 if dtype not in ('float32', 'bfloat16', 'float16'):
     fail(f"dtype={dtype!r} should be one of float32, bfloat16, float16")
+if not re.fullmatch(r'cpu|cuda(:\d+)?', device):
+    fail(f"device={device!r} should be cpu, cuda or cuda:N")
 if device.startswith('cuda') and not torch.cuda.is_available():
     fail(f"device={device!r} but CUDA is not available here; use --device=cpu")
 
@@ -138,7 +141,9 @@ per_token = cache.nbytes / num_samples / len(cache)
 formula = cfg.cache_bytes(len(cache), next(model.parameters()).dtype) / len(cache)
 print(decode(with_cache[0].tolist())[:200].replace('\n', ' ') + ' ...\n')
 rows = [('layout', cfg.attn), ('device / dtype', f"{device} / {dtype}"),
-        ('tokens identical', 'yes' if same else f"no: first difference at new token {diff[0].item()}"),
+        ('tokens identical', 'yes' if same else f"no: first difference at new token {diff[0].item()}" +
+         (" (16-bit rounding: the two paths add in different orders; float32 gives the same tokens)"
+          if dtype != 'float32' else "")),
         ('tokens/s with cache', f"{tps_cache:,.1f}"),
         ('tokens/s without cache', f"{tps_plain:,.1f}"),
         ('speedup', f"{tps_cache / tps_plain:.2f}x"),

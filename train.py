@@ -15,6 +15,7 @@ import json
 import math
 import netrc
 import os
+import re
 import signal
 import sys
 import time
@@ -110,6 +111,8 @@ if converting and os.path.realpath(init_from) == os.path.realpath(out_dir):
     fail(f"out_dir={out_dir!r} holds the checkpoint being converted; give the converted model its own out_dir")
 if dtype not in ('float32', 'bfloat16', 'float16'):
     fail(f"dtype={dtype!r} should be one of float32, bfloat16, float16")
+if not re.fullmatch(r'cpu|cuda(:\d+)?', device):
+    fail(f"device={device!r} should be cpu, cuda or cuda:N")
 if device.startswith('cuda') and not torch.cuda.is_available():
     fail(f"device={device!r} but CUDA is not available here; use --device=cpu")
 for key, ok, rule in (('batch_size', batch_size >= 1, '>= 1'), ('max_iters', max_iters >= 0, '>= 0'),

@@ -28,9 +28,9 @@ def test_decode_report_on_a_tiny_model(tmp_path):
                       r"(bytes|FLOPs) \| ([\d.e+-]+) \| \*\*(\d+)%\*\* \|", out)
     assert [r[0] for r in roof] == ['mha', 'gqa', 'mqa', 'mla', 'linear']
     for attn, mb, gflop, bytes_ms, flop_ms, binds, ms, pct in roof:  # bytes read = every weight + the filled cache
-        cfg = GPTConfig(attn=attn, n_layer=1, n_head=4, n_embd=16, block_size=41)
-        weights = sum(p.numel() for p in GPT(cfg).parameters()) * 4
-        assert float(mb) == pytest.approx((weights + 3 * cfg.cache_bytes(40)) / 1e6, rel=5e-3)
+        cfg = GPTConfig(attn=attn, n_layer=1, n_head=4, n_embd=16, block_size=41, kv_lora_rank=16, rope_head_dim=2)
+        weights = sum(p.numel() for p in GPT(cfg).parameters()) * 4  # MLA at d_c = 4 head_dim, d_R = head_dim / 2
+        assert float(mb) == pytest.approx((weights + 3 * cfg.cache_bytes(41)) / 1e6, rel=5e-3)  # t + 1 keys
         assert float(gflop) > 0 and binds == ('bytes' if float(bytes_ms) >= float(flop_ms) else 'FLOPs')
         assert abs(int(pct) - 100 * max(float(bytes_ms), float(flop_ms)) / float(ms)) < 2  # (printed to 3 digits)
     eager = {r[0]: float(r[6]) for r in roof}
@@ -101,6 +101,9 @@ def test_bad_arguments_are_one_line():
                       (['train', '--max_iters=0'], "--max_iters=0 must be >= 1"),
                       (['convert', '--fractions=0,x'], "--fractions '0,x': give comma-separated numbers"),
                       (['convert', '--lr=0'], "--lr > 0"),
-                      (['decode', '--layouts=mha,flash'], "unknown layout(s) ['flash']")):
+                      (['decode', '--layouts=mha,flash'], "unknown layout(s) ['flash']"),
+                      (['decode', '--step_T=0'], "--step_T must be >= 1"),
+                      (['decode', '--device=tpu'], "--device 'tpu': give cpu, cuda or cuda:N"),
+                      (['decode', '--batch=0'], "--batch=0 must be >= 1")):
         r = subprocess.run([sys.executable, 'bench.py', *args], cwd=ROOT, capture_output=True, text=True)
         assert r.returncode == 2 and msg in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr

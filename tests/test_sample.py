@@ -102,6 +102,7 @@ def test_top_p_tiny_is_greedy_and_top_k_one_is_greedy(ckpt_dir):
     (['--top_p=1.5'], "top_p=1.5 must be in (0, 1]"),
     (['--temperature=-1'], "temperature=-1.0 must be >= 0"),
     (['--start=FILE:/no/such'], "cannot read the prompt file '/no/such'"),
+    (['--device=tpu'], "device='tpu' should be cpu, cuda or cuda:N"),
 ])
 def test_bad_input_is_one_line(ckpt_dir, args, message):
     before = open(os.path.join(ckpt_dir, 'ckpt.pt'), 'rb').read()

@@ -19,6 +19,11 @@ def fail(msg):
     sys.exit(2)
 
 
+def describe(e):
+    """An exception in one short line: its type and the first line of its message (which may be empty)."""
+    return f"{type(e).__name__}: {(str(e).splitlines() or ['(no message)'])[0][:200]}"
+
+
 def check(key, value, config, where):
     """The value, converted to the default's type, or fail naming the key and the expected type."""
     if key not in config:

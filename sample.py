@@ -13,7 +13,7 @@ import time
 
 import torch
 
-from configurator import configure, fail
+from configurator import configure, describe, fail
 from model import GPT, GPTConfig
 
 # -----------------------------------------------------------------------------
@@ -58,7 +58,7 @@ try:
     model.load_state_dict({k.removeprefix('_orig_mod.'): v for k, v in checkpoint['model'].items()})
     meta = checkpoint['meta']
 except Exception as e:  # truncated, corrupted or foreign files all land here
-    fail(f"cannot load checkpoint {ckpt_path}: {type(e).__name__}: {str(e).splitlines()[0][:200]}")
+    fail(f"cannot load checkpoint {ckpt_path}: {describe(e)}")
 ptdtype = {'float32': torch.float32, 'bfloat16': torch.bfloat16, 'float16': torch.float16}[dtype]
 model.eval().to(device=device, dtype=ptdtype)
 if compile:  # in place: stream() calls self(...), which a torch.compile(model) wrapper would not reach

@@ -39,7 +39,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from configurator import configure, fail
+from configurator import configure, describe, fail
 from convert import pool_kv_heads
 from model import GPT, GPTConfig
 
@@ -219,19 +219,22 @@ if init_from == 'resume':
         saved = GPTConfig(**checkpoint['model_args'])
         iter_num, best_val_loss = checkpoint['iter_num'], checkpoint['best_val_loss']
     except Exception as e:  # truncated, corrupted, or not one of ours
-        fail(f"cannot load checkpoint {ckpt_path}: {type(e).__name__}: {str(e).splitlines()[0][:200]}")
+        fail(f"cannot load checkpoint {ckpt_path}: {describe(e)}")
     asked = GPTConfig(vocab_size=meta['vocab_size'], **model_args)
     differ = [f"{k}: checkpoint {getattr(saved, k)!r}, this run {getattr(asked, k)!r}"
               for k in ['vocab_size'] + model_keys if getattr(saved, k) != getattr(asked, k)]
     if differ:
         fail(f"{ckpt_path} is another model ({'; '.join(differ)}); resume with its settings or change out_dir")
+    if iter_num > max_iters and not eval_only:
+        fail(f"{ckpt_path} is at iteration {iter_num}, past max_iters={max_iters}: nothing to train "
+             f"(raise max_iters to continue, or --eval_only=True to evaluate it)")
 elif converting:  # MHA -> GQA/MQA: mean-pool the K/V heads of init_from/ckpt.pt, then train on
     try:
         source_path = os.path.join(init_from, 'ckpt.pt')
         source = torch.load(source_path, map_location=device, weights_only=True)
         source_cfg = GPTConfig(**source['model_args'])
     except Exception as e:
-        fail(f"cannot load checkpoint {init_from}/ckpt.pt: {type(e).__name__}: {str(e).splitlines()[0][:200]}")
+        fail(f"cannot load checkpoint {init_from}/ckpt.pt: {describe(e)}")
     if attn not in ('mha', 'gqa', 'mqa') or source_cfg.vocab_size != meta['vocab_size']:
         fail(f"converting {init_from} needs attn in mha/gqa/mqa (not {attn!r}) and the same vocabulary")
     model_args = {**{k: getattr(source_cfg, k) for k in model_keys}, 'attn': attn, 'n_kv_head': n_kv_head,
@@ -308,6 +311,12 @@ def save_checkpoint():
     print(f"saving checkpoint to {out_dir}")
 
 
+def kept():
+    """What a stopped run leaves behind, said truthfully."""
+    path = os.path.join(out_dir, 'ckpt.pt')
+    return f"the last good checkpoint in {out_dir} is kept" if os.path.isfile(path) else "no checkpoint was written"
+
+
 if master_process and init_from != 'resume':
     open(os.path.join(out_dir, 'metrics.jsonl'), 'w').close()  # a new run (or conversion) starts a new log
 
@@ -364,17 +373,20 @@ while True:
     for param_group in optimizer.param_groups:
         param_group['lr'] = lr
 
-    if (iter_num % eval_interval == 0 or iter_num == max_iters) and master_process:  # and at the end
+    if (iter_num % eval_interval == 0 or iter_num >= max_iters or eval_only) and master_process:  # and at the end
         losses = estimate_loss()
         print(f"step {iter_num}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f}")
         log({'iter': iter_num, 'train/loss': losses['train'], 'val/loss': losses['val'], 'lr': lr,
              'cache_bytes_per_token': cache_bytes_per_token})
-        if losses['val'] < best_val_loss or always_save_checkpoint:
+        if not (math.isfinite(losses['train']) and math.isfinite(losses['val'])):  # never saved, whatever the flags
+            fail(f"the evaluation at iteration {iter_num} gave a non-finite loss (train {losses['train']}, val "
+                 f"{losses['val']}); stopped, {kept()} (try a lower learning_rate)")
+        if (losses['val'] < best_val_loss or always_save_checkpoint) and not eval_only:
             best_val_loss = min(best_val_loss, losses['val'])
-            if iter_num > 0:
+            if local_iter_num > 0:  # weights this run trained (a resume's first eval is the checkpoint itself)
                 save_checkpoint()
-    if iter_num == max_iters or (iter_num == 0 and eval_only):
-        break  # max_iters steps done, their result evaluated (and saved if best)
+    if iter_num >= max_iters or eval_only:
+        break  # max_iters steps done, their result evaluated (and saved if best); or evaluation only
 
     if stop_requested():
         if master_process:
@@ -391,8 +403,7 @@ while True:
             logits, loss = model(X, Y)
             loss = loss / gradient_accumulation_steps
         if not torch.isfinite(loss):
-            fail(f"loss is {loss.item()} at iteration {iter_num}; stopped, the last good checkpoint in "
-                 f"{out_dir} is kept (try a lower learning_rate)")
+            fail(f"loss is {loss.item()} at iteration {iter_num}; stopped, {kept()} (try a lower learning_rate)")
         nxt = micro_step + 1  # prefetch the next micro-batch while the GPU works
         X, Y = get_batch('train', draw(iter_num + nxt // gradient_accumulation_steps, nxt % gradient_accumulation_steps))
         scaler.scale(loss).backward()

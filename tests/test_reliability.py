@@ -59,6 +59,10 @@ TRAIN_CASES = [
     (['--init_from=resume', '--learning_rate=1e12', '--grad_clip=0', '--max_iters=200', '--eval_interval=1000'],
      "loss is nan at iteration"),
     (['--out_dir=/proc/forbidden'], "is not writable"),
+    (['--init_from=resume', '--max_iters=2'], "is at iteration 4, past max_iters=2: nothing to train"),  # hung before
+    (['--init_from=resume', '--out_dir=EMPTY'], "cannot load checkpoint"),  # a zero-byte ckpt.pt
+    (['--init_from=resume', '--learning_rate=1e12', '--grad_clip=0', '--max_iters=30', '--eval_interval=1',
+      '--always_save_checkpoint=True'], "gave a non-finite loss"),  # a diverged eval is never saved
 ]
 
 
@@ -68,8 +72,12 @@ def test_train_bad_input(tmp_path, char_data, trained, args, message):
     corrupt = tmp_path / 'corrupt'
     corrupt.mkdir()
     (corrupt / 'ckpt.pt').write_bytes((trained / 'ckpt.pt').read_bytes()[:5000])  # truncated copy
+    empty = tmp_path / 'empty'
+    empty.mkdir()
+    (empty / 'ckpt.pt').write_bytes(b'')
     subst = {'TRUNCATED': lambda: broken_data(tmp_path, char_data, 'truncated'),
-             'NOMETA': lambda: broken_data(tmp_path, char_data, 'nometa'), 'CORRUPT': lambda: corrupt}
+             'NOMETA': lambda: broken_data(tmp_path, char_data, 'nometa'), 'CORRUPT': lambda: corrupt,
+             'EMPTY': lambda: empty}
     argv = []
     for a in args:
         key, _, value = a.partition('=')
@@ -82,11 +90,32 @@ def test_train_bad_input(tmp_path, char_data, trained, args, message):
     assert digest(trained / 'ckpt.pt') == before  # nothing already saved is lost
 
 
+def test_eval_only_resume_evaluates_and_writes_nothing(tmp_path, trained, char_data):
+    """--init_from=resume --eval_only=True evaluates the checkpoint and stops: no training, no save."""
+    before = digest(trained / 'ckpt.pt')
+    r = subprocess.run([sys.executable, 'train.py', *TINY, f'--out_dir={trained}', f'--data_dir={char_data}',
+                        '--init_from=resume', '--eval_only=True', '--always_save_checkpoint=True', '--max_iters=2'],
+                       cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert re.search(r"^step 4: train loss [\d.]+, val loss [\d.]+$", r.stdout, re.M), r.stdout
+    assert not re.search(r"^iter \d+:", r.stdout, re.M) and 'saving checkpoint' not in r.stdout
+    assert digest(trained / 'ckpt.pt') == before
+
+
+def test_a_diverged_fresh_run_saves_no_checkpoint(tmp_path, char_data):
+    r = subprocess.run([sys.executable, 'train.py', *TINY, f'--out_dir={tmp_path}', f'--data_dir={char_data}',
+                        '--learning_rate=1e12', '--grad_clip=0', '--max_iters=30', '--eval_interval=1',
+                        '--always_save_checkpoint=True'], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and 'no checkpoint was written' in r.stderr, r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1 and not (tmp_path / 'ckpt.pt').exists()
+
+
 SAMPLE_CASES = [  # (prompt and sampling values: tests/test_sample.py)
     (['--compare', '--max_new_tokens=0'], "max_new_tokens=0 must be >= 1 with --compare"),
     (['--device=cuda'], "CUDA is not available here"),
     (['--num_samples=0'], "num_samples=0 must be >= 1"),
     (['--out_dir=CORRUPT'], "cannot load checkpoint"),
+    (['--out_dir=EMPTY'], "cannot load checkpoint"),
 ]
 
 
@@ -94,7 +123,9 @@ SAMPLE_CASES = [  # (prompt and sampling values: tests/test_sample.py)
 def test_sample_bad_input(tmp_path, trained, args, message):
     before = digest(trained / 'ckpt.pt')
     (tmp_path / 'ckpt.pt').write_bytes(b'not a checkpoint at all')
-    argv = [a.replace('CORRUPT', str(tmp_path)) for a in args]
+    (tmp_path / 'empty').mkdir()
+    (tmp_path / 'empty' / 'ckpt.pt').write_bytes(b'')
+    argv = [a.replace('CORRUPT', str(tmp_path)).replace('EMPTY', str(tmp_path / 'empty')) for a in args]
     r = subprocess.run([sys.executable, 'sample.py', f'--out_dir={trained}', *argv], cwd=ROOT,
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and message in r.stderr and 'Traceback' not in r.stderr, r.stderr

@@ -22,17 +22,19 @@ import time
 from contextlib import nullcontext
 from dataclasses import asdict, fields
 
-# Ctrl-C only sets a flag (raising inside torch's import or a save could abort the process or break a file):
-# checked before the training loop (exit, nothing written) and at every iteration (save, then exit)
+# Ctrl-C and SIGTERM (what `kill` and schedulers send) only set a flag (raising inside torch's import or a save
+# could abort the process or break a file): checked before the training loop (exit, nothing written), at every
+# iteration (save, then exit) and between evaluation batches (the evaluation is dropped)
 interrupted = False
 
 
-def on_sigint(signum, frame):
+def on_interrupt(signum, frame):
     global interrupted
     interrupted = True
 
 
-signal.signal(signal.SIGINT, on_sigint)  # before the slow imports
+signal.signal(signal.SIGINT, on_interrupt)  # before the slow imports
+signal.signal(signal.SIGTERM, on_interrupt)
 
 import numpy as np
 import torch
@@ -279,6 +281,9 @@ def estimate_loss():
         gen = torch.Generator().manual_seed(seed + 1000 * (split == 'val'))  # the same batches every time
         losses = torch.zeros(eval_iters)
         for k in range(eval_iters):
+            if interrupted:  # stop within a batch, not at the end of a long evaluation
+                net.train()
+                return None
             X, Y = get_batch(split, gen)
             with ctx:
                 _, loss = net(X, Y)
@@ -373,8 +378,13 @@ while True:
     for param_group in optimizer.param_groups:
         param_group['lr'] = lr
 
+    losses = None
     if (iter_num % eval_interval == 0 or iter_num >= max_iters or eval_only) and master_process:  # and at the end
-        losses = estimate_loss()
+        losses = estimate_loss()  # None if interrupted during it: dropped, the interrupt is handled below
+        if losses is None and eval_only:
+            print("error: interrupted during the evaluation; nothing was written", file=sys.stderr)
+            sys.exit(130)
+    if losses:
         print(f"step {iter_num}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f}")
         log({'iter': iter_num, 'train/loss': losses['train'], 'val/loss': losses['val'], 'lr': lr,
              'cache_bytes_per_token': cache_bytes_per_token})
@@ -385,8 +395,8 @@ while True:
             best_val_loss = min(best_val_loss, losses['val'])
             if local_iter_num > 0:  # weights this run trained (a resume's first eval is the checkpoint itself)
                 save_checkpoint()
-    if iter_num >= max_iters or eval_only:
-        break  # max_iters steps done, their result evaluated (and saved if best); or evaluation only
+    if eval_only or (iter_num >= max_iters and not stop_requested()):
+        break  # evaluation only; or max_iters steps done, their result evaluated (and saved if best)
 
     if stop_requested():
         if master_process:

@@ -90,6 +90,22 @@ def test_train_bad_input(tmp_path, char_data, trained, args, message):
     assert digest(trained / 'ckpt.pt') == before  # nothing already saved is lost
 
 
+def test_an_interrupt_stops_a_long_evaluation_within_seconds(tmp_path, trained, char_data):
+    """SIGTERM during a 100000-batch evaluation: dropped at the next batch, nothing written by eval_only."""
+    before = digest(trained / 'ckpt.pt')
+    p = subprocess.Popen([sys.executable, 'train.py', *TINY, f'--out_dir={trained}', f'--data_dir={char_data}',
+                          '--init_from=resume', '--eval_only=True', '--eval_iters=100000'], cwd=ROOT,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    time.sleep(8)  # start-up, then well into the evaluation (100000 batches take minutes)
+    assert p.poll() is None
+    t0 = time.time()
+    p.send_signal(signal.SIGTERM)
+    out, err = p.communicate(timeout=60)
+    assert time.time() - t0 < 10 and 'step 4:' not in out, (out, err)
+    assert p.returncode == 130 and err.strip() == "error: interrupted during the evaluation; nothing was written"
+    assert digest(trained / 'ckpt.pt') == before
+
+
 def test_eval_only_resume_evaluates_and_writes_nothing(tmp_path, trained, char_data):
     """--init_from=resume --eval_only=True evaluates the checkpoint and stops: no training, no save."""
     before = digest(trained / 'ckpt.pt')
@@ -132,7 +148,8 @@ def test_sample_bad_input(tmp_path, trained, args, message):
     assert digest(trained / 'ckpt.pt') == before
 
 
-def test_sigint_saves_and_says_how_to_resume(tmp_path, char_data):
+@pytest.mark.parametrize('sig', [signal.SIGINT, signal.SIGTERM], ids=['SIGINT', 'SIGTERM'])
+def test_interrupt_saves_and_says_how_to_resume(tmp_path, char_data, sig):
     p = subprocess.Popen([sys.executable, 'train.py', *TINY, f'--out_dir={tmp_path}', f'--data_dir={char_data}',
                           '--max_iters=100000', '--eval_interval=100000'], cwd=ROOT, stdout=subprocess.PIPE,
                          stderr=subprocess.PIPE, text=True)
@@ -140,7 +157,7 @@ def test_sigint_saves_and_says_how_to_resume(tmp_path, char_data):
     while not os.path.exists(tmp_path / 'metrics.jsonl') or os.path.getsize(tmp_path / 'metrics.jsonl') < 400:
         assert time.time() < deadline and p.poll() is None
         time.sleep(0.1)
-    p.send_signal(signal.SIGINT)
+    p.send_signal(sig)
     out, err = p.communicate(timeout=60)
     assert p.returncode == 0, err
     m = re.search(r"interrupted before iteration (\d+): checkpoint saved in .*--init_from=resume", out)

@@ -322,13 +322,31 @@ def kept():
     return f"the last good checkpoint in {out_dir} is kept" if os.path.isfile(path) else "no checkpoint was written"
 
 
+def rows_before(path, it):
+    """The lines of a metrics log with iteration < it; a line cut short by a kill is dropped too."""
+    keep = []
+    with open(path) as f:
+        for line in f:
+            try:
+                if json.loads(line)['iter'] < it:
+                    keep.append(line)
+            except (ValueError, KeyError, TypeError):
+                pass
+    return keep
+
+
+metrics_path = os.path.join(out_dir, 'metrics.jsonl')
 if master_process and init_from != 'resume':
-    open(os.path.join(out_dir, 'metrics.jsonl'), 'w').close()  # a new run (or conversion) starts a new log
+    open(metrics_path, 'w').close()  # a new run (or conversion) starts a new log
+elif master_process and os.path.isfile(metrics_path):  # resume: what was logged past the checkpoint is redone
+    with open(metrics_path + f'.tmp{os.getpid()}', 'w') as f:
+        f.writelines(rows_before(metrics_path, iter_num))
+    os.replace(metrics_path + f'.tmp{os.getpid()}', metrics_path)  # one iteration column, never going back
 
 
 def log(row):
     """One row to out_dir/metrics.jsonl and, with wandb_log, to Weights & Biases."""
-    with open(os.path.join(out_dir, 'metrics.jsonl'), 'a') as f:
+    with open(metrics_path, 'a') as f:
         f.write(json.dumps(row) + '\n')
     if wandb_log:
         wandb.log(row, step=row['iter'])

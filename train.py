@@ -9,6 +9,7 @@ Train one attention layout on tiny Shakespeare (nanoGPT's train.py, one layout s
 Every key below can be set by a config file or --key=value (see configurator.py).
 """
 
+import glob
 import hashlib
 import importlib.util
 import json
@@ -152,11 +153,18 @@ if master_process:
     print(f"tokens per iteration will be: {tokens_per_iter:,}")
     try:
         os.makedirs(out_dir, exist_ok=True)
-        with open(os.path.join(out_dir, '.write-test'), 'w'):
-            pass
-        os.remove(os.path.join(out_dir, '.write-test'))
+        lock = open(os.path.join(out_dir, 'train.lock'), 'a')  # held while this process lives; the OS drops it at death
     except OSError as e:
         fail(f"out_dir={out_dir!r} is not writable ({e.strerror}); pass --out_dir=DIR")
+    try:
+        import fcntl
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except ImportError:
+        pass  # no fcntl (Windows): no guard against a second run
+    except OSError:
+        fail(f"out_dir={out_dir!r} is in use by another train.py run; wait for it to end or pass another --out_dir")
+    for stale in glob.glob(os.path.join(out_dir, 'ckpt.pt.tmp*')):  # left by killed runs; no other run is alive
+        os.remove(stale)
 torch.manual_seed(seed + ddp_rank)
 torch.backends.cuda.matmul.allow_tf32 = True
 torch.backends.cudnn.allow_tf32 = True
@@ -308,11 +316,12 @@ def save_checkpoint():
             'iter_num': iter_num, 'best_val_loss': best_val_loss, 'config': config, 'meta': meta,
 }
     path = os.path.join(out_dir, 'ckpt.pt')
-    with open(path + '.tmp', 'wb') as f:
+    tmp = f"{path}.tmp{os.getpid()}"  # unique per process
+    with open(tmp, 'wb') as f:
         torch.save(ckpt, f)
         f.flush()
         os.fsync(f.fileno())
-    os.replace(path + '.tmp', path)
+    os.replace(tmp, path)
     print(f"saving checkpoint to {out_dir}")
 
 

@@ -218,11 +218,31 @@ def test_sigkill_at_random_moments_never_breaks_the_checkpoint(tmp_path, char_da
         assert p.returncode == -signal.SIGKILL, p.stderr.read()  # it was still running: killed, not crashed
         ckpt = torch.load(tmp_path / 'ckpt.pt', weights_only=True)
         iters.append(ckpt['iter_num'])
-        mid_save += os.path.exists(tmp_path / 'ckpt.pt.tmp')
+        mid_save += bool(list(tmp_path.glob('ckpt.pt.tmp*')))
     assert mid_save >= 1, "no kill landed during a save"
     assert len(iters) >= 10 and iters == sorted(iters) and iters[-1] > iters[0]  # progress across resumes
     train(tmp_path, char_data, '--init_from=resume', f'--max_iters={iters[-1] + 2}', '--eval_interval=2',
           '--eval_iters=1')
+
+
+def test_a_second_run_into_a_live_out_dir_is_refused(tmp_path, char_data):
+    """Two runs writing one out_dir would race on its files: the second is refused in one line while the first
+    lives, and the lock dies with the first (a killed run leaves nothing stuck, nor its temp files)."""
+    args = [sys.executable, 'train.py', *TINY, f'--out_dir={tmp_path}', f'--data_dir={char_data}', '--max_iters=100000',
+            '--eval_interval=100000']
+    first = subprocess.Popen(args, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 60
+    while not (tmp_path / 'metrics.jsonl').exists() or (tmp_path / 'metrics.jsonl').stat().st_size < 200:
+        assert time.time() < deadline and first.poll() is None
+        time.sleep(0.1)
+    second = subprocess.run(args, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert second.returncode == 2 and 'is in use by another train.py run' in second.stderr, second.stderr
+    assert len(second.stderr.strip().splitlines()) == 1 and first.poll() is None  # the first trains on
+    first.kill()
+    first.wait()
+    (tmp_path / 'ckpt.pt.tmp12345').write_bytes(b'half a checkpoint')  # as a kill inside a save leaves it
+    train(tmp_path, char_data, '--max_iters=2')  # the dead run's lock is gone
+    assert not list(tmp_path.glob('ckpt.pt.tmp*'))
 
 
 def test_no_pickle_anywhere():

@@ -100,7 +100,7 @@ def test_ddp_two_cpu_processes(tmp_path, char_data):
     assert r.stdout.count('step 3:') == 1, r.stdout  # only rank 0 evaluates and logs
     evals = [m['iter'] for m in metrics(tmp_path) if 'val/loss' in m]
     assert evals == [0, 3, 6]
-    assert sorted(os.listdir(tmp_path)) == ['ckpt.pt', 'metrics.jsonl'], r.stdout + r.stderr
+    assert sorted(os.listdir(tmp_path)) == ['ckpt.pt', 'metrics.jsonl', 'train.lock'], r.stdout + r.stderr
     ckpt = torch.load(tmp_path / 'ckpt.pt', weights_only=True)
     assert ckpt['iter_num'] == 6
 

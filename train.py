@@ -9,6 +9,7 @@ Train one attention layout on tiny Shakespeare (nanoGPT's train.py, one layout s
 Every key below can be set by a config file or --key=value (see configurator.py).
 """
 
+import errno
 import glob
 import hashlib
 import importlib.util
@@ -17,6 +18,7 @@ import math
 import netrc
 import os
 import re
+import shutil
 import signal
 import sys
 import time
@@ -317,11 +319,22 @@ def save_checkpoint():
 }
     path = os.path.join(out_dir, 'ckpt.pt')
     tmp = f"{path}.tmp{os.getpid()}"  # unique per process
-    with open(tmp, 'wb') as f:
-        torch.save(ckpt, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, 'wb') as f:
+            torch.save(ckpt, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+        fd = os.open(out_dir, os.O_RDONLY)  # the rename itself reaches the disk
+        os.fsync(fd)
+        os.close(fd)
+    except (OSError, RuntimeError) as e:  # disk full, file size limit, I/O error: torch.save says RuntimeError
+        free = shutil.disk_usage(out_dir).free
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        why = ("no space left on device (ENOSPC)" if getattr(e, 'errno', None) == errno.ENOSPC or free < 2 ** 20
+               else describe(e))
+        fail(f"cannot write a checkpoint to {out_dir}: {why}, {free:,} bytes free; {kept()}, the partial file removed")
     print(f"saving checkpoint to {out_dir}")
 
 

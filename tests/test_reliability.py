@@ -245,6 +245,22 @@ def test_a_second_run_into_a_live_out_dir_is_refused(tmp_path, char_data):
     assert not list(tmp_path.glob('ckpt.pt.tmp*'))
 
 
+def test_a_failed_save_is_one_line_and_leaves_the_old_checkpoint(tmp_path, trained, char_data):
+    """A write that fails mid-checkpoint (here a 64 KiB file-size limit, as a full disk would): one line,
+    exit 2, the previous ckpt.pt intact and no partial temp file left to break the next resume."""
+    import resource
+    out = tmp_path / 'run'
+    shutil.copytree(trained, out)
+    before = digest(out / 'ckpt.pt')
+    limit = lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (64 * 1024, 64 * 1024))
+    r = subprocess.run([sys.executable, 'train.py', *TINY, f'--out_dir={out}', f'--data_dir={char_data}',
+                        '--init_from=resume', '--max_iters=8', '--eval_interval=1', '--always_save_checkpoint=True'],
+                       cwd=ROOT, capture_output=True, text=True, timeout=120, preexec_fn=limit)
+    assert r.returncode == 2 and 'cannot write a checkpoint to' in r.stderr, r.stderr
+    assert 'the last good checkpoint' in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert digest(out / 'ckpt.pt') == before and not list(out.glob('ckpt.pt.tmp*'))
+
+
 def test_no_pickle_anywhere():
     """Checkpoints are loaded with weights_only=True everywhere; vocabularies are JSON."""
     offenders = []

@@ -471,10 +471,11 @@ while True:
         if local_iter_num >= 5:  # let the loop settle before measuring
             mfu = raw_model.estimate_mfu(batch_size * gradient_accumulation_steps, dt)
             running_mfu = mfu if running_mfu == -1.0 else 0.9 * running_mfu + 0.1 * mfu
-        print(f"iter {iter_num}: loss {lossf:.4f}, time {dt * 1000:.2f}ms, {tokens_per_iter / dt:,.0f} tok/s, "
-              f"mfu {running_mfu * 100:.2f}%")
+        measured = {'mfu': running_mfu * 100} if running_mfu >= 0 else {}  # nothing until it is measured
+        print(f"iter {iter_num}: loss {lossf:.4f}, time {dt * 1000:.2f}ms, {tokens_per_iter / dt:,.0f} tok/s" +
+              (f", mfu {running_mfu * 100:.2f}%" if measured else ""))
         log({'iter': iter_num, 'train/batch_loss': lossf, 'lr': lr, 'ms_per_iter': dt * 1000,
-             'tokens_per_sec': tokens_per_iter / dt, 'mfu': running_mfu * 100})
+             'tokens_per_sec': tokens_per_iter / dt, **measured})
     iter_num += 1
     local_iter_num += 1
 

@@ -84,6 +84,8 @@ def test_wandb_offline_history_read_back(tmp_path, char_data):
                 'train/batch_loss', 'ms_per_iter'):
         assert key in keys, key
     assert [h['iter'] for h in history if 'val/loss' in h] == [0, 5, 10]
+    steps = [m for m in metrics(tmp_path) if 'train/batch_loss' in m]  # MFU is logged once measured (iter 5), not as -100
+    assert 'mfu' not in steps[0] and all(m['mfu'] >= 0 for m in steps[1:])
     assert [h['val/loss'] for h in history if 'val/loss' in h] == \
         [m['val/loss'] for m in metrics(tmp_path) if 'val/loss' in m]  # the same rows as metrics.jsonl
     summary = json.loads(subprocess.run([sys.executable, '-m', 'wandb', 'leet', 'inspect', '--summary', '--json',

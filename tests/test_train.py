@@ -1,6 +1,7 @@
 """train.py end to end on tiny models: every layout learns, resume continues, W&B offline read-back,
 metrics.jsonl, and DDP with 2 CPU processes."""
 import json
+import math
 import os
 import re
 import subprocess
@@ -47,6 +48,16 @@ def test_30_iterations_per_layout_loss_falls(tmp_path, char_data, attn):
         assert evals[0]['cache_bytes_per_token'] == expected[attn] * 4
     else:
         assert evals[0]['cache_bytes_per_token'] == 2 * 4 * 16 * 17 * 4 / cfg['block_size']
+
+
+def test_bfloat16_on_cpu_trains_in_bfloat16(tmp_path, char_data):
+    """--dtype=bfloat16 on CPU runs under autocast (it silently trained float32 while logging a 16-bit cache)."""
+    runs = {d: train(tmp_path / d, char_data, '--max_iters=3', '--eval_interval=3', f'--dtype={d}')
+            for d in ('float32', 'bfloat16')}
+    cache = {d: int(re.search(r"KV cache ([\d,]+) bytes/token", r.stdout).group(1).replace(',', '')) for d, r in runs.items()}
+    assert cache['float32'] == 2 * cache['bfloat16'] > 0
+    losses = {d: [m['val/loss'] for m in metrics(tmp_path / d) if 'val/loss' in m] for d in runs}
+    assert all(map(math.isfinite, losses['bfloat16'])) and losses['bfloat16'] != losses['float32']
 
 
 def test_resume_continues_from_the_saved_iteration(tmp_path, char_data):

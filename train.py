@@ -165,7 +165,7 @@ if master_process:
         pass  # no fcntl (Windows): no guard against a second run
     except OSError:
         fail(f"out_dir={out_dir!r} is in use by another train.py run; wait for it to end or pass another --out_dir")
-    for stale in glob.glob(os.path.join(out_dir, 'ckpt.pt.tmp*')):  # left by killed runs; no other run is alive
+    for stale in glob.glob(os.path.join(out_dir, '*.tmp[0-9]*')):  # temp files of killed runs; none is alive
         os.remove(stale)
 torch.manual_seed(seed + ddp_rank)
 torch.backends.cuda.matmul.allow_tf32 = True
@@ -362,9 +362,10 @@ metrics_path = os.path.join(out_dir, 'metrics.jsonl')
 if master_process and init_from != 'resume':
     open(metrics_path, 'w').close()  # a new run (or conversion) starts a new log
 elif master_process and os.path.isfile(metrics_path):  # resume: what was logged past the checkpoint is redone
-    with open(metrics_path + f'.tmp{os.getpid()}', 'w') as f:
+    tmp = f"{metrics_path}.tmp{os.getpid()}"
+    with open(tmp, 'w') as f:
         f.writelines(rows_before(metrics_path, iter_num))
-    os.replace(metrics_path + f'.tmp{os.getpid()}', metrics_path)  # one iteration column, never going back
+    os.replace(tmp, metrics_path)  # one iteration column, never going back
 
 
 def log(row):

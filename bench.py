@@ -548,8 +548,9 @@ def decode_report(layouts, sizes, contexts, device, dtype, out, gen_tokens=240, 
     for attn in layouts:
         rows.append(f"| {attn} | " + " | ".join(f"{costs[attn, t][0]:.2f} / {costs[attn, t][1]:.1f}"
                                               for t in contexts) + " |")
+    mla = GPTConfig(attn='mla', **sizes)
     text = (f"Machine: {machine()}. Model: {sizes['n_layer']} layers, {sizes['n_head']} heads, "
-            f"n_embd {sizes['n_embd']}, MLA d_c {sizes['kv_lora_rank']} d_R {sizes['rope_head_dim']}, random init, "
+            f"n_embd {sizes['n_embd']}, MLA d_c {mla.kv_lora_rank} d_R {mla.rope_head_dim}, random init, "
             f"{str(dtype).replace('torch.', '')}, device {device}"
             f"{'; (c) and the generation table with torch.compile(fullgraph=True), the rest eager' if compile else ', eager'}.\n\n"
             "**(a) Roofline of one decode step**\n\n" + roofline_table(runs, bandwidth, rate, batch, t) +
@@ -633,7 +634,12 @@ def main(argv=None):
     if unknown:
         fail(f"unknown layout(s) {unknown}; choose from {', '.join(ATTN_LAYOUTS)}")
     if args.mode != 'cache':
-        os.makedirs(args.out, exist_ok=True)
+        try:
+            os.makedirs(args.out, exist_ok=True)
+        except OSError as e:
+            fail(f"--out {args.out!r}: {e.strerror}; give a folder to write the results in")
+        if not os.access(args.out, os.W_OK):
+            fail(f"--out {args.out!r} is not writable")
     if args.mode == 'cache':
         body = cache_table(layouts)
     elif args.mode == 'train':
@@ -682,9 +688,7 @@ def main(argv=None):
         for name in ('n_layer', 'n_head', 'n_embd'):
             if getattr(args, name) < 1:
                 fail(f"--{name} must be >= 1")
-        head_dim = args.n_embd // args.n_head  # MLA at the paper's ratios: d_c = 4 head_dim, d_R = head_dim / 2
-        sizes = dict(n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd, kv_lora_rank=max(1, 4 * head_dim),
-                     rope_head_dim=max(2, head_dim // 4 * 2))
+        sizes = dict(n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd)  # MLA: d_c, d_R at the paper's ratios
         try:
             for attn in layouts:
                 GPTConfig(attn=attn, **sizes)

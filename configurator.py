@@ -20,8 +20,8 @@ def fail(msg):
 
 
 def describe(e):
-    """An exception in one short line: its type and the first line of its message (which may be empty)."""
-    return f"{type(e).__name__}: {(str(e).splitlines() or ['(no message)'])[0][:200]}"
+    """An exception in one short line: its type and its message, whitespace folded, cut at 240 characters."""
+    return f"{type(e).__name__}: {' '.join(str(e).split())[:240] or '(no message)'}"
 
 
 def check(key, value, config, where):

@@ -33,8 +33,8 @@ class GPTConfig:
     n_kv_head: int = 0         # K/V heads of mha/gqa/mqa; 0 = the layout's default (n_head / smallest divisor > 1 / 1)
     pos_emb: str = 'rope'      # 'rope', or nanoGPT's 'learned' absolute positions
     rope_base: float = 10000.0
-    kv_lora_rank: int = 256    # MLA d_c: the cached latent (4 * head_dim at the default sizes, the paper's ratio)
-    rope_head_dim: int = 32    # MLA d_R: the decoupled rope query/key (head_dim / 2 at the default sizes)
+    kv_lora_rank: int = 0      # MLA d_c, the cached latent; 0 = 4 * head_dim (DeepSeek-V2's ratio)
+    rope_head_dim: int = 0     # MLA d_R, the decoupled rope query/key; 0 = head_dim / 2 (even, >= 2)
     q_lora_rank: int = 0       # MLA query compression; 0 = off (as DeepSeek-V2-Lite)
     chunk_size: int = 64       # linear attention: chunk of the chunkwise-parallel training form
     match_mha_params: bool = False  # widen/narrow the MLP so the model has MHA's parameter count
@@ -44,9 +44,9 @@ class GPTConfig:
             raise ValueError(f"GPTConfig.{field}={getattr(self, field)!r} is invalid: {allowed}")
         if self.attn not in ATTN_LAYOUTS: bad('attn', f"must be one of {ATTN_LAYOUTS}")
         if self.pos_emb not in POS_EMBS: bad('pos_emb', f"must be one of {POS_EMBS}")
-        for f in ('block_size', 'vocab_size', 'n_layer', 'n_head', 'n_embd', 'kv_lora_rank', 'chunk_size'):
+        for f in ('block_size', 'vocab_size', 'n_layer', 'n_head', 'n_embd', 'chunk_size'):
             if not isinstance(getattr(self, f), int) or getattr(self, f) < 1: bad(f, "must be an integer >= 1")
-        for f in ('n_kv_head', 'q_lora_rank', 'rope_head_dim'):
+        for f in ('n_kv_head', 'q_lora_rank', 'kv_lora_rank', 'rope_head_dim'):
             if not isinstance(getattr(self, f), int) or getattr(self, f) < 0: bad(f, "must be an integer >= 0")
         if not 0.0 <= self.dropout < 1.0: bad('dropout', "must be in [0, 1)")
         if self.n_embd % self.n_head: bad('n_embd', f"must be divisible by n_head={self.n_head}")
@@ -57,8 +57,13 @@ class GPTConfig:
         if self.n_kv_head not in allowed:
             bad('n_kv_head', f"attn={self.attn!r} with n_head={h} allows {allowed} "
                              "(gqa: a divisor of n_head strictly between 1 and n_head)")
-        if self.attn == 'mla' and (self.rope_head_dim < 2 or self.rope_head_dim % 2):
-            bad('rope_head_dim', "must be even and >= 2 for attn='mla' (RoPE rotates pairs)")
+        self.kv_lora_rank = self.kv_lora_rank or 4 * self.head_dim  # 0 = the paper's ratios to head_dim
+        self.rope_head_dim = self.rope_head_dim or max(2, self.head_dim // 4 * 2)
+        if self.attn == 'mla' and self.rope_head_dim % 2:
+            bad('rope_head_dim', "must be even for attn='mla' (RoPE rotates pairs)")
+        if self.match_mha_params and mlp_hidden(self) < 1:
+            bad('match_mha_params', f"the MLP would need {mlp_hidden(self)} units to match MHA's parameter count; "
+                                    "lower kv_lora_rank / q_lora_rank, or set it False")
         if not self.rope_base > 0: bad('rope_base', "must be > 0")
         if self.pos_emb == 'rope' and self.attn in ('mha', 'gqa', 'mqa') and self.head_dim % 2:
             bad('n_embd', f"n_embd / n_head = {self.head_dim} must be even for RoPE (or use pos_emb='learned')")
@@ -352,7 +357,7 @@ def mlp_hidden(config):
         return 4 * config.n_embd
     with torch.device('meta'):
         count = lambda cfg: sum(p.numel() for p in ATTENTION[cfg.attn](cfg).parameters())
-        extra = count(replace(config, attn='mha', n_kv_head=0)) - count(config)
+        extra = count(replace(config, attn='mha', n_kv_head=0, match_mha_params=False)) - count(config)
     return 4 * config.n_embd + round(extra / (2 * config.n_embd + config.bias))  # c_fc row + c_proj column
 
 

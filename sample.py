@@ -14,6 +14,7 @@ import time
 import torch
 
 from configurator import configure, describe, fail
+from data.common import check_meta
 from model import GPT, GPTConfig
 
 # -----------------------------------------------------------------------------
@@ -56,7 +57,7 @@ try:
     checkpoint = torch.load(ckpt_path, map_location=device, weights_only=True)
     model = GPT(GPTConfig(**checkpoint['model_args']))
     model.load_state_dict({k.removeprefix('_orig_mod.'): v for k, v in checkpoint['model'].items()})
-    meta = checkpoint['meta']
+    meta = check_meta(checkpoint['meta'])
 except Exception as e:  # truncated, corrupted or foreign files all land here
     fail(f"cannot load checkpoint {ckpt_path}: {describe(e)}")
 ptdtype = {'float32': torch.float32, 'bfloat16': torch.bfloat16, 'float16': torch.float16}[dtype]
@@ -92,6 +93,8 @@ if start.startswith('FILE:'):
             start = f.read()
     except OSError as e:
         fail(f"cannot read the prompt file {start[5:]!r}: {e.strerror}")
+    except UnicodeDecodeError as e:
+        fail(f"the prompt file {start[5:]!r} is not UTF-8 text (byte {e.start})")
 start_ids = encode(start)
 if not start_ids:
     fail("the prompt is empty: give at least one token with --start=... (the default is a newline)")

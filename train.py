@@ -18,6 +18,7 @@ import math
 import netrc
 import os
 import re
+import shlex
 import shutil
 import signal
 import sys
@@ -46,6 +47,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from configurator import configure, describe, fail
 from convert import pool_kv_heads
+from data.common import PrepareError, check_meta, run_prepare
 from model import GPT, GPTConfig
 
 # -----------------------------------------------------------------------------
@@ -57,7 +59,8 @@ log_interval = 10
 eval_iters = 200
 eval_only = False
 always_save_checkpoint = False  # else only when val loss improves
-init_from = 'scratch'           # 'scratch' or 'resume' (from out_dir/ckpt.pt)
+init_from = 'scratch'           # 'scratch', 'resume' (out_dir's newest state), or an MHA out_dir to convert
+overwrite = False               # a new run may replace out_dir's checkpoints (else it is refused)
 # logging
 wandb_log = False
 wandb_project = 'attention-layouts'
@@ -79,8 +82,8 @@ attn = 'mha'
 n_kv_head = 0
 pos_emb = 'rope'
 rope_base = 10000.0
-kv_lora_rank = 256
-rope_head_dim = 32
+kv_lora_rank = 0                # MLA d_c; 0 = 4 * head_dim (DeepSeek-V2's ratio)
+rope_head_dim = 0               # MLA d_R; 0 = head_dim / 2
 q_lora_rank = 0
 chunk_size = 64
 match_mha_params = False
@@ -185,22 +188,28 @@ if not os.path.exists(os.path.join(data_dir, 'train.bin')) and master_process:
     spec = importlib.util.spec_from_file_location('prepare', script)
     prepare = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(prepare)
-    from data.common import PrepareError
     try:
-        prepare.prepare(data_dir)
+        run_prepare(prepare.prepare, data_dir)
     except PrepareError as e:
         fail(str(e))
 if ddp:
     dist.barrier()  # the other ranks wait for rank 0 to prepare the data
 try:
     with open(os.path.join(data_dir, 'meta.json'), encoding='utf-8') as f:
-        meta = json.load(f)
+        meta = check_meta(json.load(f))
     for split in ('train', 'val'):
         size = os.path.getsize(os.path.join(data_dir, f'{split}.bin'))
         if size % 2 or size // 2 <= block_size:
             raise ValueError(f"{split}.bin has {size} bytes: truncated, or too short for block_size={block_size}")
+        top = int(np.memmap(os.path.join(data_dir, f'{split}.bin'), dtype=np.uint16, mode='r').max())
+        if top >= meta['vocab_size']:  # an embedding lookup would fail at the first batch that holds it
+            raise ValueError(f"{split}.bin holds token id {top}, outside meta.json's vocab_size {meta['vocab_size']}")
 except (OSError, ValueError) as e:
     fail(f"dataset in {data_dir} is missing or broken ({e}); delete it and run again to prepare it anew")
+previous = [p for p in (os.path.join(out_dir, n) for n in ('ckpt.pt', 'last.pt')) if os.path.isfile(p)]
+if previous and init_from != 'resume' and not eval_only and not overwrite and master_process:
+    fail(f"{previous[0]} exists: continue that run with --init_from=resume, replace it with --overwrite=True, "
+         f"or pass another --out_dir")
 
 
 def draw(*key):
@@ -220,43 +229,61 @@ def get_batch(split, generator):
     return x.to(device), y.to(device)
 
 
-# model
+# model. out_dir/ckpt.pt holds the best weights by val loss (what sample.py reads); out_dir/last.pt the state an
+# interrupt stopped at. A resume continues from the later of the two, so an interrupt never replaces the best weights.
+ckpt_path, last_path = os.path.join(out_dir, 'ckpt.pt'), os.path.join(out_dir, 'last.pt')
 iter_num, best_val_loss = 0, 1e9
 model_args = {k: config[k] for k in model_keys}
-if init_from == 'resume':
-    ckpt_path = os.path.join(out_dir, 'ckpt.pt')
-    if not os.path.isfile(ckpt_path):
-        fail(f"init_from='resume' but there is no checkpoint at {ckpt_path}")
+asked = GPTConfig(vocab_size=meta['vocab_size'], **model_args)
+
+
+def load_checkpoint(path):
+    """A checkpoint train.py wrote, with its config checked, or one line naming what is wrong with it."""
     try:
-        checkpoint = torch.load(ckpt_path, map_location=device, weights_only=True)
-        saved = GPTConfig(**checkpoint['model_args'])
-        iter_num, best_val_loss = checkpoint['iter_num'], checkpoint['best_val_loss']
+        ckpt = torch.load(path, map_location=device, weights_only=True)
+        missing = [k for k in ('model', 'optimizer', 'model_args', 'iter_num', 'best_val_loss') if k not in ckpt]
+        if missing:
+            raise ValueError(f"no {', '.join(missing)} in it: not a checkpoint of train.py")
+        return ckpt, GPTConfig(**ckpt['model_args'])
     except Exception as e:  # truncated, corrupted, or not one of ours
-        fail(f"cannot load checkpoint {ckpt_path}: {describe(e)}")
-    asked = GPTConfig(vocab_size=meta['vocab_size'], **model_args)
-    differ = [f"{k}: checkpoint {getattr(saved, k)!r}, this run {getattr(asked, k)!r}"
-              for k in ['vocab_size'] + model_keys if getattr(saved, k) != getattr(asked, k)]
-    if differ:
-        fail(f"{ckpt_path} is another model ({'; '.join(differ)}); resume with its settings or change out_dir")
+        fail(f"cannot load checkpoint {path}: {describe(e)}")
+
+
+def flags(a, b):
+    """The --key=value settings of GPTConfig a that differ from b."""
+    return [f"--{k}={getattr(a, k)}" for k in model_keys if getattr(a, k) != getattr(b, k)]
+
+
+if init_from == 'resume':
+    found = [p for p in (ckpt_path, last_path) if os.path.isfile(p)]
+    if not found:
+        fail(f"init_from='resume' but there is no checkpoint at {ckpt_path}")
+    loaded = [(p, *load_checkpoint(p)) for p in found]
+    resume_path, checkpoint, saved = max(loaded, key=lambda c: c[1]['iter_num'])  # the first of equals: ckpt.pt
+    loaded = None
+    iter_num, best_val_loss = checkpoint['iter_num'], checkpoint['best_val_loss']
+    if saved.vocab_size != asked.vocab_size:
+        fail(f"{resume_path} was trained on a vocabulary of {saved.vocab_size}, this dataset has {asked.vocab_size}; "
+             f"resume with its --dataset / --data_dir or change out_dir")
+    if flags(saved, asked):
+        fail(f"{resume_path} is another model ({', '.join(flags(saved, asked))} in it); add those settings to "
+             f"resume it, or change out_dir")
     if iter_num > max_iters and not eval_only:
-        fail(f"{ckpt_path} is at iteration {iter_num}, past max_iters={max_iters}: nothing to train "
+        fail(f"{resume_path} is at iteration {iter_num}, past max_iters={max_iters}: nothing to train "
              f"(raise max_iters to continue, or --eval_only=True to evaluate it)")
+    print(f"resuming from {resume_path} at iteration {iter_num}")
 elif converting:  # MHA -> GQA/MQA: mean-pool the K/V heads of init_from/ckpt.pt, then train on
-    try:
-        source_path = os.path.join(init_from, 'ckpt.pt')
-        source = torch.load(source_path, map_location=device, weights_only=True)
-        source_cfg = GPTConfig(**source['model_args'])
-    except Exception as e:
-        fail(f"cannot load checkpoint {init_from}/ckpt.pt: {describe(e)}")
+    source, source_cfg = load_checkpoint(os.path.join(init_from, 'ckpt.pt'))
     if attn not in ('mha', 'gqa', 'mqa') or source_cfg.vocab_size != meta['vocab_size']:
         fail(f"converting {init_from} needs attn in mha/gqa/mqa (not {attn!r}) and the same vocabulary")
     model_args = {**{k: getattr(source_cfg, k) for k in model_keys}, 'attn': attn, 'n_kv_head': n_kv_head,
                   'match_mha_params': False, 'dropout': dropout}  # its shape, this run's heads; MLP kept
 gptconf = GPTConfig(vocab_size=meta['vocab_size'], **model_args)
+if gptconf.block_size != block_size:  # a converted model keeps its source's context length
+    block_size, tokens_per_iter = gptconf.block_size, tokens_per_iter // block_size * gptconf.block_size
+    print(f"block_size={block_size}, the converted checkpoint's")
 model = GPT(gptconf)
-if init_from == 'resume':
-    model.load_state_dict({k.removeprefix('_orig_mod.'): v for k, v in checkpoint['model'].items()})
-elif converting:
+if converting:
     try:
         model.load_state_dict(pool_kv_heads({k.removeprefix('_orig_mod.'): v for k, v in source['model'].items()},
                                             source_cfg, gptconf.n_kv_head))
@@ -268,7 +295,11 @@ model.to(device)
 scaler = torch.amp.GradScaler(device_type, enabled=(dtype == 'float16' and device_type == 'cuda'))
 optimizer = model.configure_optimizers(weight_decay, learning_rate, (beta1, beta2), device_type)
 if init_from == 'resume':
-    optimizer.load_state_dict(checkpoint['optimizer'])
+    try:
+        model.load_state_dict({k.removeprefix('_orig_mod.'): v for k, v in checkpoint['model'].items()})
+        optimizer.load_state_dict(checkpoint['optimizer'])
+    except (RuntimeError, ValueError, KeyError) as e:  # weights or optimizer state of another shape
+        fail(f"cannot resume from {resume_path}: {describe(e)}")
     checkpoint = None
 raw_model = model
 if compile:
@@ -313,12 +344,11 @@ def get_lr(it):
     return min_lr + 0.5 * (1.0 + math.cos(math.pi * decay_ratio)) * (learning_rate - min_lr)
 
 
-def save_checkpoint():
-    """Written to a temp file in out_dir, flushed to disk, then renamed: a crash never leaves half a file."""
+def save_checkpoint(path, val_loss=None):
+    """Written to a temp file in out_dir, flushed to disk, then renamed: a crash never leaves half a file.
+    val_loss: of these weights (None: not evaluated); best_val_loss: of the best weights so far, in ckpt.pt."""
     ckpt = {'model': raw_model.state_dict(), 'optimizer': optimizer.state_dict(), 'model_args': asdict(gptconf),
-            'iter_num': iter_num, 'best_val_loss': best_val_loss, 'config': config, 'meta': meta,
-}
-    path = os.path.join(out_dir, 'ckpt.pt')
+            'iter_num': iter_num, 'val_loss': val_loss, 'best_val_loss': best_val_loss, 'config': config, 'meta': meta}
     tmp = f"{path}.tmp{os.getpid()}"  # unique per process
     try:
         with open(tmp, 'wb') as f:
@@ -335,14 +365,21 @@ def save_checkpoint():
             os.remove(tmp)
         why = ("no space left on device (ENOSPC)" if getattr(e, 'errno', None) == errno.ENOSPC or free < 2 ** 20
                else describe(e))
-        fail(f"cannot write a checkpoint to {out_dir}: {why}, {free:,} bytes free; {kept()}, the partial file removed")
-    print(f"saving checkpoint to {out_dir}")
+        fail(f"cannot write {path}: {why}, {free:,} bytes free; {kept()}, the partial file removed")
+    print(f"saving checkpoint to {path}")
 
 
 def kept():
     """What a stopped run leaves behind, said truthfully."""
-    path = os.path.join(out_dir, 'ckpt.pt')
-    return f"the last good checkpoint in {out_dir} is kept" if os.path.isfile(path) else "no checkpoint was written"
+    return f"the last good checkpoint in {out_dir} is kept" if os.path.isfile(ckpt_path) else "no checkpoint was written"
+
+
+def resume_command():
+    """This run's command with --init_from=resume, plus the model settings that differ from its arguments
+    (a converted model has its source's shape)."""
+    args = [a for a in sys.argv[1:] if not a.startswith(('--init_from', '--overwrite'))] + ['--init_from=resume']
+    launcher = ['torchrun', '--standalone', f'--nproc_per_node={ddp_world_size}'] if ddp else ['python']
+    return shlex.join(launcher + [sys.argv[0]] + args + flags(gptconf, asked))
 
 
 def rows_before(path, it):
@@ -359,17 +396,12 @@ def rows_before(path, it):
 
 
 metrics_path = os.path.join(out_dir, 'metrics.jsonl')
-if master_process and init_from != 'resume':
-    open(metrics_path, 'w').close()  # a new run (or conversion) starts a new log
-elif master_process and os.path.isfile(metrics_path):  # resume: what was logged past the checkpoint is redone
-    tmp = f"{metrics_path}.tmp{os.getpid()}"
-    with open(tmp, 'w') as f:
-        f.writelines(rows_before(metrics_path, iter_num))
-    os.replace(tmp, metrics_path)  # one iteration column, never going back
 
 
 def log(row):
-    """One row to out_dir/metrics.jsonl and, with wandb_log, to Weights & Biases."""
+    """One row to out_dir/metrics.jsonl and, with wandb_log, to Weights & Biases; eval_only writes nothing."""
+    if eval_only:
+        return
     with open(metrics_path, 'a') as f:
         f.write(json.dumps(row) + '\n')
     if wandb_log:
@@ -408,13 +440,25 @@ def stop_requested():  # Ctrl-C on any rank: every DDP rank stops at the same it
 
 
 if stop_requested():
-    print("error: interrupted before training started; no checkpoint was written", file=sys.stderr)
+    print("error: interrupted before training started; nothing was written", file=sys.stderr)
     sys.exit(130)
+if master_process and not eval_only:  # the run starts: only now may files of an earlier run change
+    if init_from != 'resume':
+        for old in previous:  # --overwrite=True (checked at start-up)
+            os.remove(old)
+            print(f"removed {old} (--overwrite=True)")
+        open(metrics_path, 'w').close()  # a new run (or conversion) starts a new log
+    elif os.path.isfile(metrics_path):  # resume: what was logged past the checkpoint is redone
+        tmp = f"{metrics_path}.tmp{os.getpid()}"
+        with open(tmp, 'w') as f:
+            f.writelines(rows_before(metrics_path, iter_num))
+        os.replace(tmp, metrics_path)  # one iteration column, never going back
 
 # training loop
 X, Y = get_batch('train', draw(iter_num, 0))  # micro-batch 0 of iteration iter_num
 t0 = time.time()
 local_iter_num, running_mfu = 0, -1.0
+saved_at = iter_num if init_from == 'resume' else None  # the iteration whose state is on disk
 while True:
     lr = get_lr(iter_num) if decay_lr else learning_rate
     for param_group in optimizer.param_groups:
@@ -436,15 +480,20 @@ while True:
         if (losses['val'] < best_val_loss or always_save_checkpoint) and not eval_only:
             best_val_loss = min(best_val_loss, losses['val'])
             if local_iter_num > 0:  # weights this run trained (a resume's first eval is the checkpoint itself)
-                save_checkpoint()
-    if eval_only or (iter_num >= max_iters and not stop_requested()):
-        break  # evaluation only; or max_iters steps done, their result evaluated (and saved if best)
-
-    if stop_requested():
-        if master_process:
-            save_checkpoint()
-            print(f"interrupted before iteration {iter_num}: checkpoint saved in {out_dir}; "
-                  f"continue with the same command plus --init_from=resume")
+                save_checkpoint(ckpt_path, losses['val'])
+                saved_at = iter_num
+                if os.path.isfile(last_path):
+                    os.remove(last_path)  # an older state than this checkpoint
+    if eval_only:
+        break
+    stop = stop_requested()  # once per iteration on every rank: a collective under DDP
+    if stop or iter_num >= max_iters:  # interrupted, or max_iters steps done and evaluated (saved if best)
+        if master_process and (stop or saved_at != iter_num):  # the state ckpt.pt may not hold goes to last.pt
+            save_checkpoint(last_path)
+        if master_process and stop:
+            print(f"interrupted before iteration {iter_num}: its state saved to {last_path}"
+                  f"{', the best weights kept in ' + ckpt_path if os.path.isfile(ckpt_path) else ''}; continue with:\n"
+                  f"  {resume_command()}")
         break
 
     torch.manual_seed(hash((seed, ddp_rank, iter_num)) % 2 ** 63)  # dropout masks: a function of the iteration

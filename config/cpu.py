@@ -12,6 +12,3 @@ n_embd = 128
 max_iters = 2000
 lr_decay_iters = 2000
 dropout = 0.0
-# MLA at DeepSeek-V2's ratios for head_dim 32 (d_c = 4 * 32, d_R = 32 / 2); other layouts ignore these
-kv_lora_rank = 128
-rope_head_dim = 16

@@ -3,6 +3,5 @@
 # dropout 0.2, lr 1e-3, 5000 iterations, batch 64).
 out_dir = 'out-shakespeare-char-mla'
 attn = 'mla'
-kv_lora_rank = 256        # d_c = 4 * head_dim (DeepSeek-V2's ratio)
-rope_head_dim = 32        # d_R = head_dim / 2
+# kv_lora_rank (d_c) and rope_head_dim (d_R) default to DeepSeek-V2's 4 * head_dim and head_dim / 2
 match_mha_params = True   # MLP narrowed to MHA's parameter count

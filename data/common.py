@@ -44,6 +44,19 @@ def read_text(input_path=None, download_to=None):
     return text
 
 
+def check_meta(meta):
+    """meta.json's content as a prepare script writes it, else ValueError naming what is wrong."""
+    if not isinstance(meta, dict) or type(meta.get('vocab_size')) is not int or meta['vocab_size'] < 1:
+        raise ValueError("meta has no vocab_size >= 1")
+    if meta.get('kind') == 'char':
+        if not (isinstance(meta.get('itos'), list) and len(meta['itos']) == meta['vocab_size']
+                and all(isinstance(c, str) for c in meta['itos'])):
+            raise ValueError(f"meta's itos should list vocab_size={meta['vocab_size']} characters")
+    elif meta.get('kind') != 'tiktoken' or not isinstance(meta.get('encoding'), str):
+        raise ValueError(f"meta's kind {meta.get('kind')!r} should be 'char' (with itos) or 'tiktoken' (with encoding)")
+    return meta
+
+
 def split(text, train_fraction=0.9):
     """First 90% of the characters for training, the last 10% for validation (as nanoGPT)."""
     n = int(len(text) * train_fraction)
@@ -79,6 +92,15 @@ def cli(prepare, description):
     p.add_argument('--out_dir', default=here, help='where train.bin, val.bin, meta.json go (default: beside this script)')
     args = p.parse_args()
     try:
-        prepare(args.out_dir, args.input)
+        run_prepare(prepare, args.out_dir, args.input)
     except PrepareError as e:
         sys.exit(f"error: {e}")
+
+
+def run_prepare(prepare, out_dir, input_path=None):
+    """prepare(out_dir, input_path), with a failed write (out_dir unwritable or a file, disk full) a PrepareError."""
+    try:
+        os.makedirs(out_dir, exist_ok=True)  # fails here, before any download, if out_dir cannot be a folder
+        prepare(out_dir, input_path)
+    except OSError as e:
+        raise PrepareError(f"cannot write the dataset to {out_dir!r}: {e.strerror or e}") from None

@@ -96,8 +96,11 @@ def test_convert_experiment_on_a_tiny_model(tmp_path, char_data):
     assert 'Share of the gap' not in out  # 5% of 4 iterations is no uptraining: nothing to report
 
 
-def test_bad_arguments_are_one_line():
-    for args, msg in ((['decode', '--contexts=8,x'], "--contexts '8,x': give comma-separated integers"),
+def test_bad_arguments_are_one_line(tmp_path):
+    (tmp_path / 'a-file').write_text('results go in a folder')
+    for args, msg in ((['decode', f'--out={tmp_path / "a-file"}'], "File exists; give a folder to write the results in"),
+                      (['train', f'--out={tmp_path / "a-file" / "sub"}'], "Not a directory; give a folder"),
+                      (['decode', '--contexts=8,x'], "--contexts '8,x': give comma-separated integers"),
                       (['train', '--max_iters=0'], "--max_iters=0 must be >= 1"),
                       (['convert', '--fractions=0,x'], "--fractions '0,x': give comma-separated numbers"),
                       (['convert', '--lr=0'], "--lr > 0"),
@@ -107,3 +110,4 @@ def test_bad_arguments_are_one_line():
                       (['decode', '--batch=0'], "--batch=0 must be >= 1")):
         r = subprocess.run([sys.executable, 'bench.py', *args], cwd=ROOT, capture_output=True, text=True)
         assert r.returncode == 2 and msg in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert (tmp_path / 'a-file').read_text() == 'results go in a folder'

@@ -84,3 +84,21 @@ def test_train_py_converts_an_mha_checkpoint(tmp_path, char_data):
                           capture_output=True, text=True)
     assert same.returncode == 2 and 'holds the checkpoint being converted' in same.stderr, same.stderr
     assert len(same.stderr.strip().splitlines()) == 1 and (tmp_path / 'mha' / 'ckpt.pt').read_bytes() == before
+
+
+def test_an_interrupted_conversion_resumes_with_the_printed_command(tmp_path, char_data):
+    """A converted model has its source's shape, not this run's config (block_size, layers, MLP): the command
+    printed at Ctrl-C says so, and works as printed."""
+    import shlex, subprocess, sys
+    from conftest import ROOT
+    from test_train import train, interrupted
+    train(tmp_path / 'mha', char_data, '--max_iters=2', '--eval_interval=2')  # block 32, 2 layers
+    out, _ = interrupted(tmp_path / 'gqa', char_data, '--attn=gqa', '--n_kv_head=2', f'--init_from={tmp_path / "mha"}',
+                         '--block_size=64', '--n_layer=3', '--match_mha_params=True', '--eval_interval=1000')
+    assert 'block_size=32, the converted checkpoint' in out
+    command = shlex.split(re.search(r"continue with:\n  (.*)", out).group(1))
+    assert {'--block_size=32', '--n_layer=2', '--match_mha_params=False', '--init_from=resume'} <= set(command)
+    it = torch.load(tmp_path / 'gqa' / 'last.pt', weights_only=True)['iter_num']
+    r = subprocess.run([sys.executable, *command[1:], f'--max_iters={it + 1}'], cwd=ROOT, capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode == 0 and f"at iteration {it}" in r.stdout, r.stderr

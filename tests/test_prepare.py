@@ -63,3 +63,12 @@ def test_prepare_script_bad_input_is_one_line(tmp_path, args, message):
                        cwd=ROOT, capture_output=True, text=True)
     assert r.returncode == 1 and r.stderr.strip() == f"error: {message}"
     assert os.listdir(tmp_path) == []
+
+
+def test_prepare_into_a_file_or_unwritable_folder_is_one_line(tmp_path):
+    (tmp_path / 'a-file').write_text('kept')
+    for out, why in ((tmp_path / 'a-file', 'File exists'), (tmp_path / 'a-file' / 'sub', 'Not a directory')):
+        r = subprocess.run([sys.executable, 'data/shakespeare_char/prepare.py', '--input', SHAKESPEARE,
+                            '--out_dir', str(out)], cwd=ROOT, capture_output=True, text=True)
+        assert r.returncode == 1 and r.stderr.strip() == f"error: cannot write the dataset to {str(out)!r}: {why}"
+    assert (tmp_path / 'a-file').read_text() == 'kept'

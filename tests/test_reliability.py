@@ -1,9 +1,11 @@
 """Nothing lost, nothing unsafe: bad input is one line and exit 2 and leaves existing checkpoints
 alone; Ctrl-C saves; SIGKILL never leaves a checkpoint that does not load; no pickle anywhere."""
 import hashlib
+import json
 import os
 import random
 import re
+import shlex
 import shutil
 import signal
 import subprocess
@@ -14,7 +16,7 @@ import pytest
 import torch
 
 from conftest import ROOT
-from test_train import TINY, environ, train
+from test_train import TINY, environ, interrupted, metrics, train
 
 
 @pytest.fixture(scope='module')
@@ -33,11 +35,37 @@ def digest(path):
 def broken_data(tmp, char_data, kind):
     d = tmp / f'data-{kind}'
     shutil.copytree(char_data, d)
+    meta = json.loads((d / 'meta.json').read_text())
     if kind == 'truncated':
         with open(d / 'val.bin', 'r+b') as f:
             f.truncate(31)
-    else:
+    elif kind == 'nometa':
         os.remove(d / 'meta.json')
+    elif kind == 'random':  # random bytes as token ids: most are outside the 65-symbol vocabulary
+        (d / 'train.bin').write_bytes(random.Random(0).randbytes(4096))
+    else:
+        meta = {'{}': {}, '[]': [], 'zero': {**meta, 'vocab_size': 0}, 'small': {**meta, 'vocab_size': 10,
+                'itos': meta['itos'][:10]}}[kind]
+        (d / 'meta.json').write_text(json.dumps(meta))
+    return d
+
+
+def broken_checkpoint(tmp, trained, kind):
+    """A copy of the trained checkpoint with one thing wrong, in a folder of its own."""
+    ckpt = torch.load(trained / 'ckpt.pt', weights_only=True)
+    if kind == 'missing':
+        ckpt['model'].pop(next(iter(ckpt['model'])))
+    elif kind == 'extra':
+        ckpt['model']['transformer.extra.weight'] = torch.zeros(3)
+    elif kind == 'nooptim':
+        del ckpt['optimizer']
+    elif kind == 'nokind':
+        del ckpt['meta']['kind']
+    elif kind == 'shortitos':
+        ckpt['meta']['itos'] = ckpt['meta']['itos'][:5]
+    d = tmp / f'ckpt-{kind}'
+    d.mkdir()
+    torch.save(ckpt, d / 'ckpt.pt')
     return d
 
 
@@ -51,10 +79,23 @@ TRAIN_CASES = [
     (['--eval_iters=0'], "eval_iters=0 must be >= 1"),
     (['--dropout=1.5'], "GPTConfig.dropout=1.5 is invalid"),
     (['--device=cuda'], "CUDA is not available here"),
+    (['--device=foo'], "device='foo' should be cpu, cuda or cuda:N"),
     (['--dataset=nope', '--data_dir='], "dataset='nope' is unknown"),
     (['--data_dir=TRUNCATED'], "val.bin has 31 bytes: truncated"),
     (['--data_dir=NOMETA'], "meta.json"),
-    (['--init_from=resume', '--attn=mla'], "is another model (attn: checkpoint 'mha', this run 'mla'"),
+    (['--data_dir=META{}'], "meta has no vocab_size >= 1"),
+    (['--data_dir=META[]'], "meta has no vocab_size >= 1"),
+    (['--data_dir=METAzero'], "meta has no vocab_size >= 1"),
+    (['--data_dir=RANDOM'], "train.bin holds token id"),  # an IndexError at the first eval before
+    (['--data_dir=SMALLVOCAB'], "train.bin holds token id 64, outside meta.json's vocab_size 10"),
+    (['--data_dir=AFILE'], "cannot write the dataset to"),
+    (['--attn=mla', '--match_mha_params=True', '--kv_lora_rank=256'], "the MLP would need -"),
+    (['--max_iters=2'], "ckpt.pt exists: continue that run with --init_from=resume, replace it with --overwrite=True"),
+    (['--overwrite=True', '--wandb_log=True', '--wandb_mode=bogus'], "wandb_mode='bogus' should be online, offline"),
+    (['--init_from=resume', '--out_dir=MISSINGKEY'], "Missing key(s) in state_dict"),
+    (['--init_from=resume', '--out_dir=EXTRAKEY'], 'Unexpected key(s) in state_dict: "transformer.extra.weight"'),
+    (['--init_from=resume', '--out_dir=NOOPTIM'], "no optimizer in it: not a checkpoint of train.py"),
+    (['--init_from=resume', '--attn=mla'], "is another model (--attn=mha in it); add those settings"),
     (['--init_from=resume', '--out_dir=CORRUPT'], "cannot load checkpoint"),
     (['--init_from=resume', '--learning_rate=1e12', '--grad_clip=0', '--max_iters=200', '--eval_interval=1000'],
      "loss is nan at iteration"),
@@ -68,16 +109,21 @@ TRAIN_CASES = [
 
 @pytest.mark.parametrize('args,message', TRAIN_CASES, ids=[' '.join(a) for a, _ in TRAIN_CASES])
 def test_train_bad_input(tmp_path, char_data, trained, args, message):
-    before = digest(trained / 'ckpt.pt')
+    before, log = digest(trained / 'ckpt.pt'), digest(trained / 'metrics.jsonl')
     corrupt = tmp_path / 'corrupt'
     corrupt.mkdir()
     (corrupt / 'ckpt.pt').write_bytes((trained / 'ckpt.pt').read_bytes()[:5000])  # truncated copy
     empty = tmp_path / 'empty'
     empty.mkdir()
     (empty / 'ckpt.pt').write_bytes(b'')
+    (tmp_path / 'a-file').write_text('not a folder')
     subst = {'TRUNCATED': lambda: broken_data(tmp_path, char_data, 'truncated'),
              'NOMETA': lambda: broken_data(tmp_path, char_data, 'nometa'), 'CORRUPT': lambda: corrupt,
-             'EMPTY': lambda: empty}
+             'EMPTY': lambda: empty, 'RANDOM': lambda: broken_data(tmp_path, char_data, 'random'),
+             'SMALLVOCAB': lambda: broken_data(tmp_path, char_data, 'small'), 'AFILE': lambda: tmp_path / 'a-file',
+             **{f'META{k}': lambda k=k: broken_data(tmp_path, char_data, k) for k in ('{}', '[]', 'zero')},
+             **{f'{k.upper()}KEY': lambda k=k: broken_checkpoint(tmp_path, trained, k) for k in ('missing', 'extra')},
+             'NOOPTIM': lambda: broken_checkpoint(tmp_path, trained, 'nooptim')}
     argv = []
     for a in args:
         key, _, value = a.partition('=')
@@ -88,6 +134,8 @@ def test_train_bad_input(tmp_path, char_data, trained, args, message):
     assert message in r.stderr and 'Traceback' not in r.stderr, r.stderr
     assert len(r.stderr.strip().splitlines()) == 1, r.stderr
     assert digest(trained / 'ckpt.pt') == before  # nothing already saved is lost
+    if 'loss' not in message:  # (a run that trained and then diverged has logged its rows)
+        assert digest(trained / 'metrics.jsonl') == log
 
 
 def test_an_interrupt_stops_a_long_evaluation_within_seconds(tmp_path, trained, char_data):
@@ -132,6 +180,10 @@ SAMPLE_CASES = [  # (prompt and sampling values: tests/test_sample.py)
     (['--num_samples=0'], "num_samples=0 must be >= 1"),
     (['--out_dir=CORRUPT'], "cannot load checkpoint"),
     (['--out_dir=EMPTY'], "cannot load checkpoint"),
+    (['--out_dir=NOKIND'], "meta's kind None should be 'char' (with itos) or 'tiktoken'"),
+    (['--out_dir=SHORTITOS'], "meta's itos should list vocab_size=65 characters"),
+    (['--start=FILE:LATIN1'], "is not UTF-8 text (byte 10)"),
+    (['--device=foo'], "device='foo' should be cpu, cuda or cuda:N"),
 ]
 
 
@@ -141,7 +193,11 @@ def test_sample_bad_input(tmp_path, trained, args, message):
     (tmp_path / 'ckpt.pt').write_bytes(b'not a checkpoint at all')
     (tmp_path / 'empty').mkdir()
     (tmp_path / 'empty' / 'ckpt.pt').write_bytes(b'')
-    argv = [a.replace('CORRUPT', str(tmp_path)).replace('EMPTY', str(tmp_path / 'empty')) for a in args]
+    (tmp_path / 'latin1.txt').write_bytes('ROMEO: caf\u00e9'.encode('latin-1'))
+    subst = {'CORRUPT': lambda: tmp_path, 'EMPTY': lambda: tmp_path / 'empty', 'LATIN1': lambda: tmp_path / 'latin1.txt',
+             'NOKIND': lambda: broken_checkpoint(tmp_path, trained, 'nokind'),
+             'SHORTITOS': lambda: broken_checkpoint(tmp_path, trained, 'shortitos')}
+    argv = [re.sub('|'.join(subst), lambda m: str(subst[m.group(0)]()), a) for a in args]
     r = subprocess.run([sys.executable, 'sample.py', f'--out_dir={trained}', *argv], cwd=ROOT,
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and message in r.stderr and 'Traceback' not in r.stderr, r.stderr
@@ -149,29 +205,42 @@ def test_sample_bad_input(tmp_path, trained, args, message):
 
 
 @pytest.mark.parametrize('sig', [signal.SIGINT, signal.SIGTERM], ids=['SIGINT', 'SIGTERM'])
-def test_interrupt_saves_and_says_how_to_resume(tmp_path, char_data, sig):
-    p = subprocess.Popen([sys.executable, 'train.py', *TINY, f'--out_dir={tmp_path}', f'--data_dir={char_data}',
-                          '--max_iters=100000', '--eval_interval=100000'], cwd=ROOT, stdout=subprocess.PIPE,
-                         stderr=subprocess.PIPE, text=True)
-    deadline = time.time() + 60
-    while not os.path.exists(tmp_path / 'metrics.jsonl') or os.path.getsize(tmp_path / 'metrics.jsonl') < 400:
-        assert time.time() < deadline and p.poll() is None
-        time.sleep(0.1)
-    p.send_signal(sig)
-    out, err = p.communicate(timeout=60)
-    assert p.returncode == 0, err
-    m = re.search(r"interrupted before iteration (\d+): checkpoint saved in .*--init_from=resume", out)
+def test_an_interrupt_keeps_the_best_weights_and_resumes_where_it_stopped(tmp_path, char_data, sig):
+    """Ctrl-C / SIGTERM: the state goes to last.pt; ckpt.pt keeps the best-val weights, labelled with their own val
+    loss; the printed command resumes from last.pt at the interrupted iteration."""
+    out, err = interrupted(tmp_path, char_data, '--eval_interval=3', '--eval_iters=2', sig=sig)
+    m = re.search(r"^interrupted before iteration (\d+): its state saved to .*last.pt, the best weights kept in .*ckpt.pt; continue with:\n  (.*)$",
+                  out, re.M)
     assert m, out
-    ckpt = torch.load(tmp_path / 'ckpt.pt', weights_only=True)
-    assert ckpt['iter_num'] == int(m.group(1)) > 0
+    best, last = (torch.load(tmp_path / f, weights_only=True) for f in ('ckpt.pt', 'last.pt'))
+    assert last['iter_num'] == int(m.group(1)) >= best['iter_num'] and last['val_loss'] is None
+    evals = {row['iter']: row['val/loss'] for row in metrics(tmp_path) if 'val/loss' in row}
+    assert best['val_loss'] == evals[best['iter_num']] == min(evals.values()) == last['best_val_loss']
+    assert (last['iter_num'] > best['iter_num']) == any(not torch.equal(best['model'][k], last['model'][k])
+                                                     for k in best['model'])
+    if sig == signal.SIGINT:
+        return
+    before = digest(tmp_path / 'ckpt.pt')
+    command = shlex.split(m.group(2))
+    assert command[:2] == ['python', 'train.py'] and '--init_from=resume' in command
+    it = last['iter_num']
+    r = subprocess.run([sys.executable, *command[1:], f'--max_iters={it + 1}', '--log_interval=1'], cwd=ROOT,
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and f"resuming from {tmp_path / 'last.pt'} at iteration {it}" in r.stdout, r.stderr
+    assert re.search(rf"^iter {it}: loss", r.stdout, re.M) and not re.search(rf"^iter {it - 1}:", r.stdout, re.M)
+    end = {f.name: torch.load(f, weights_only=True) for f in tmp_path.glob('*.pt')}  # the end state is kept: in
+    assert max(c['iter_num'] for c in end.values()) == it + 1  # ckpt.pt if its val loss is the best, else last.pt
+    assert ('last.pt' in end) == (digest(tmp_path / 'ckpt.pt') == before)
 
 
 def test_sigint_at_start_up_is_one_line(tmp_path, char_data):
     """Ctrl-C at moments from start-up into the first iterations: one line, never a traceback; before the
-    loop exit 130 and no checkpoint, in it the usual save."""
+    loop exit 130 and nothing written (an earlier run's log is kept), in it the usual save."""
     before_loop = 0
     for delay in (0.0, 0.5, 1.0, 2.0, 3.5):
         out_dir = tmp_path / str(delay)
+        out_dir.mkdir()
+        (out_dir / 'metrics.jsonl').write_text('{"iter": 0, "val/loss": 1.5}\n')  # of a run that saved no checkpoint
         p = subprocess.Popen([sys.executable, 'train.py', *TINY, f'--out_dir={out_dir}', f'--data_dir={char_data}',
                               '--max_iters=100000', '--eval_interval=100000'], cwd=ROOT, stdout=subprocess.PIPE,
                              stderr=subprocess.PIPE, text=True)
@@ -185,10 +254,11 @@ def test_sigint_at_start_up_is_one_line(tmp_path, char_data):
         assert 'Traceback' not in err, err
         if p.returncode == 130:
             before_loop += 1
-            assert err.strip().splitlines() == ["error: interrupted before training started; no checkpoint was written"]
-            assert not os.path.exists(out_dir / 'ckpt.pt')
+            assert err.strip().splitlines() == ["error: interrupted before training started; nothing was written"]
+            assert sorted(os.listdir(out_dir)) == ['metrics.jsonl', 'train.lock']
+            assert (out_dir / 'metrics.jsonl').read_text() == '{"iter": 0, "val/loss": 1.5}\n'
         else:
-            assert p.returncode == 0 and 'checkpoint saved' in out, (p.returncode, err)
+            assert p.returncode == 0 and 'its state saved to' in out, (p.returncode, err)
     assert before_loop >= 1
 
 
@@ -256,7 +326,7 @@ def test_a_failed_save_is_one_line_and_leaves_the_old_checkpoint(tmp_path, train
     r = subprocess.run([sys.executable, 'train.py', *TINY, f'--out_dir={out}', f'--data_dir={char_data}',
                         '--init_from=resume', '--max_iters=8', '--eval_interval=1', '--always_save_checkpoint=True'],
                        cwd=ROOT, capture_output=True, text=True, timeout=120, preexec_fn=limit)
-    assert r.returncode == 2 and 'cannot write a checkpoint to' in r.stderr, r.stderr
+    assert r.returncode == 2 and f"cannot write {out / 'ckpt.pt'}: " in r.stderr, r.stderr
     assert 'the last good checkpoint' in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
     assert digest(out / 'ckpt.pt') == before and not list(out.glob('ckpt.pt.tmp*'))
 
@@ -284,3 +354,15 @@ def test_generate_limits(attn):
     for use_cache in (True, False):  # batch size 0: nothing to do, no error
         assert model.generate(torch.zeros(0, 3, dtype=torch.long), 5, use_cache=use_cache).shape == (0, 8)
     assert model.generate(torch.zeros(2, 3, dtype=torch.long), 0).shape == (2, 3)
+
+
+def test_overwrite_replaces_a_finished_run(tmp_path, trained, char_data):
+    """--overwrite=True: the old checkpoints are removed when the new run starts, and its log starts anew."""
+    shutil.copytree(trained, tmp_path / 'run')
+    torch.save(torch.load(trained / 'ckpt.pt', weights_only=True), tmp_path / 'run' / 'last.pt')
+    r = train(tmp_path / 'run', char_data, '--max_iters=2', '--overwrite=True', '--n_layer=1')
+    assert f"removed {tmp_path / 'run' / 'last.pt'} (--overwrite=True)" in r.stdout
+    assert sorted(os.listdir(tmp_path / 'run')) == ['ckpt.pt', 'metrics.jsonl', 'train.lock']
+    ckpt = torch.load(tmp_path / 'run' / 'ckpt.pt', weights_only=True)
+    assert ckpt['iter_num'] == 2 and ckpt['model_args']['n_layer'] == 1
+    assert [row['iter'] for row in metrics(tmp_path / 'run') if 'val/loss' in row] == [0, 2]

@@ -4,8 +4,10 @@ import json
 import math
 import os
 import re
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -21,6 +23,20 @@ def train(tmp_path, data_dir, *args, env=None, launcher=(sys.executable,)):
                        cwd=ROOT, capture_output=True, text=True, timeout=300, env=environ(env))
     assert r.returncode == 0, r.stderr[-3000:]
     return r
+
+
+def interrupted(out_dir, data_dir, *args, sig=signal.SIGINT, launcher=(sys.executable,)):
+    """train.py started, signalled once it has logged a few training rows, and waited for; (stdout, stderr)."""
+    p = subprocess.Popen([*launcher, 'train.py', *TINY, f'--out_dir={out_dir}', f'--data_dir={data_dir}',
+                          '--max_iters=100000', *args], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    log, deadline = os.path.join(out_dir, 'metrics.jsonl'), time.time() + 60
+    while not os.path.exists(log) or sum(1 for line in open(log) if 'batch_loss' in line) < 3:
+        assert time.time() < deadline and p.poll() is None, p.stderr.read() if p.poll() is not None else 'slow'
+        time.sleep(0.1)
+    p.send_signal(sig)
+    out, err = p.communicate(timeout=60)
+    assert p.returncode == 0, err
+    return out, err
 
 
 def environ(changes):

@@ -60,3 +60,14 @@ def char_data(tmp_path_factory):
     out = tmp_path_factory.mktemp('shakespeare_char')
     prepare(str(out), SHAKESPEARE)
     return str(out)
+
+
+def pytest_configure(config):
+    config.addinivalue_line('markers', "slow: a long stress test, run by `pytest -m slow tests` (CI runs it too)")
+
+
+def pytest_collection_modifyitems(config, items):
+    if 'slow' not in (config.getoption('markexpr') or ''):  # the default run leaves them out
+        for item in items:
+            if 'slow' in item.keywords:
+                item.add_marker(pytest.mark.skip(reason="slow: run with pytest -m slow tests"))

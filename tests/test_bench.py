@@ -96,7 +96,7 @@ def test_convert_experiment_on_a_tiny_model(tmp_path, char_data):
     assert 'Share of the gap' not in out  # 5% of 4 iterations is no uptraining: nothing to report
 
 
-def test_bad_arguments_are_one_line(tmp_path):
+def test_bad_arguments_are_one_line(tmp_path, capsys):
     (tmp_path / 'a-file').write_text('results go in a folder')
     for args, msg in ((['decode', f'--out={tmp_path / "a-file"}'], "File exists; give a folder to write the results in"),
                       (['train', f'--out={tmp_path / "a-file" / "sub"}'], "Not a directory; give a folder"),
@@ -108,6 +108,8 @@ def test_bad_arguments_are_one_line(tmp_path):
                       (['decode', '--step_T=0'], "--step_T must be >= 1"),
                       (['decode', '--device=tpu'], "--device 'tpu': give cpu, cuda or cuda:N"),
                       (['decode', '--batch=0'], "--batch=0 must be >= 1")):
-        r = subprocess.run([sys.executable, 'bench.py', *args], cwd=ROOT, capture_output=True, text=True)
-        assert r.returncode == 2 and msg in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+        with pytest.raises(SystemExit) as e:  # in process: main() checks every argument before any work
+            bench_module.main(args)
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and msg in err and len(err.strip().splitlines()) == 1, err
     assert (tmp_path / 'a-file').read_text() == 'results go in a folder'

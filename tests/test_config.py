@@ -15,9 +15,11 @@ BAD = [
     (dict(attn='mla', n_kv_head=2), r"n_kv_head.*allows \[6\]"),
     (dict(n_kv_head=-1), r"n_kv_head.*>= 0"),
     (dict(attn='mla', rope_head_dim=7), r"rope_head_dim.*even"),
-    (dict(attn='mla', rope_head_dim=0), r"rope_head_dim.*even"),
+    (dict(attn='mla', rope_head_dim=-2), r"rope_head_dim.*>= 0"),
     (dict(n_embd=30, n_head=6), r"n_embd.*even for RoPE"),
-    (dict(kv_lora_rank=0), r"kv_lora_rank.*>= 1"),
+    (dict(kv_lora_rank=-1), r"kv_lora_rank.*>= 0"),
+    (dict(attn='mla', n_layer=2, n_head=4, n_embd=64, kv_lora_rank=256, match_mha_params=True),
+     r"match_mha_params.*MLP would need -\d+ units"),
     (dict(q_lora_rank=-3), r"q_lora_rank.*>= 0"),
     (dict(block_size=0), r"block_size.*>= 1"),
     (dict(n_layer=2.5), r"n_layer.*integer"),
@@ -41,3 +43,12 @@ def test_layout_defaults_for_n_kv_head():
     assert GPTConfig(attn='gqa', n_head=32, n_embd=4096, n_kv_head=8).n_kv_head == 8
     # odd head_dim is fine without RoPE, and learned positions keep MLA's (unrotated) shared key
     GPTConfig(n_embd=30, n_head=6, pos_emb='learned')
+
+
+def test_mla_sizes_default_to_the_papers_ratios():
+    """d_c = 4 head_dim and d_R = head_dim / 2 (DeepSeek-V2: 512 and 64 at head_dim 128) unless given; a small
+    model with match_mha_params then builds (the old fixed d_c = 256 asked for a negative MLP width)."""
+    for n_head, n_embd in ((6, 384), (4, 64), (32, 4096)):
+        cfg = GPTConfig(attn='mla', n_head=n_head, n_embd=n_embd, n_layer=2, match_mha_params=True)
+        assert (cfg.kv_lora_rank, cfg.rope_head_dim) == (4 * n_embd // n_head, n_embd // n_head // 2)
+    assert GPTConfig(attn='mla', kv_lora_rank=96, rope_head_dim=8).kv_lora_rank == 96

@@ -59,7 +59,7 @@ def test_30_iterations_per_layout_loss_falls(tmp_path, char_data, attn):
     ckpt = torch.load(tmp_path / 'ckpt.pt', weights_only=True)
     assert ckpt['model_args']['attn'] == attn and ckpt['iter_num'] == 30
     cfg = ckpt['model_args']
-    expected = {'mha': 2 * 2 * 4 * 16, 'gqa': 2 * 2 * 2 * 16, 'mqa': 2 * 2 * 1 * 16, 'mla': (128 + 16) * 2}
+    expected = {'mha': 2 * 2 * 4 * 16, 'gqa': 2 * 2 * 2 * 16, 'mqa': 2 * 2 * 1 * 16, 'mla': (64 + 8) * 2}  # MLA at d_c = 4 head_dim, d_R = head_dim / 2
     if attn in expected:  # bytes per token at fp32, from the table
         assert evals[0]['cache_bytes_per_token'] == expected[attn] * 4
     else:

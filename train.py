@@ -305,8 +305,8 @@ raw_model = model
 if compile:
     model = torch.compile(model)
 if ddp:
-    # broadcast_buffers=False: the only buffer is the constant RoPE table, and rank 0 evaluates alone
-    model = DDP(model, device_ids=[ddp_local_rank] if device_type == 'cuda' else None, broadcast_buffers=False)
+    # no buffer sync at each forward: the only buffer is the constant RoPE table, and rank 0 evaluates alone
+    model = DDP(model, device_ids=[ddp_local_rank] if device_type == 'cuda' else None, forward_sync_buffers=False)
 cache_bytes_per_token = gptconf.cache_bytes(block_size, ptdtype) / block_size  # at block_size, inference dtype
 if master_process:
     print(f"{gptconf.attn}: {raw_model.get_num_params() / 1e6:.2f}M parameters, "

@@ -127,6 +127,7 @@ def test_ddp_two_cpu_processes(tmp_path, char_data):
     digests = dict(re.findall(r"rank (\d): weights sha256 ([0-9a-f]{16})", r.stdout))
     assert set(digests) == {'0', '1'} and digests['0'] == digests['1'], r.stdout + r.stderr
     assert r.stdout.count('step 3:') == 1, r.stdout  # only rank 0 evaluates and logs
+    assert 'Warning' not in r.stderr, r.stderr  # (DDP's broadcast_buffers is deprecated)
     evals = [m['iter'] for m in metrics(tmp_path) if 'val/loss' in m]
     assert evals == [0, 3, 6]
     assert sorted(os.listdir(tmp_path)) == ['ckpt.pt', 'metrics.jsonl', 'train.lock'], r.stdout + r.stderr

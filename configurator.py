@@ -10,6 +10,7 @@ overrides. Every key must be one of the defaults and every value must have the d
 import ast
 import difflib
 import os
+import re
 import sys
 import types
 
@@ -50,9 +51,31 @@ def parse_value(text, default):
         return text  # reported as a wrong type by check()
 
 
-def configure(config, argv):
-    """config: {key: default}. Returns a new dict with config files and overrides applied."""
+def usage(config, script):
+    """--help: the script's docstring, then every key with its default and the comment on its line in the
+    script's defaults (the lines the defaults come from), section comments kept."""
+    source = open(script, encoding='utf-8').read()
+    lines = [ast.get_docstring(ast.parse(source)) or '', 'keys (config files, then --key=value):']
+    block = source.split('\n# ---')[1]  # the defaults: between the first two dashed lines
+    for line in block.splitlines()[1:]:
+        key = re.match(r"(\w+) = ", line)
+        if key and key.group(1) in config:
+            comment = line.partition('  #')[2].strip()
+            value = config[key.group(1)]
+            value = repr(value) if isinstance(value, str) and not value.isprintable() else value
+            lines.append(f"  --{key.group(1)}={value}".ljust(34) + comment)
+        elif line.startswith('# '):
+            lines.append(line)
+    return '\n'.join(lines)
+
+
+def configure(config, argv, script=None, given=None):
+    """config: {key: default}. Returns a new dict with config files and overrides applied; the keys they set
+    are added to `given`. -h / --help prints the keys of `script` and exits."""
     config = dict(config)
+    if script and ({'-h', '--help'} & set(argv)):
+        print(usage(config, script))
+        sys.exit(0)
     for arg in argv:
         if not arg.startswith('--'):
             if not arg.endswith('.py'):
@@ -70,6 +93,7 @@ def configure(config, argv):
                     continue  # helpers a config file may import
                 if key not in config or value is not config[key]:
                     config[key] = check(key, value, config, arg)
+                    given is None or given.add(key)
         else:
             key, eq, text = arg[2:].partition('=')
             if not eq:
@@ -79,4 +103,5 @@ def configure(config, argv):
                     fail(f"{arg!r} needs a value: write --{key}=VALUE" if key in config else
                          f"unknown config key {key!r}")
             config[key] = check(key, parse_value(text, config.get(key)), config, f"--{key}")
+            given is None or given.add(key)
     return config

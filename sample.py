@@ -6,6 +6,7 @@ Sample from a trained checkpoint, with or without the cache, or both side by sid
     python sample.py --out_dir=out-shakespeare-char-mla --compare            # both ways: same tokens? speed? bytes?
     python sample.py --start=FILE:prompt.txt --num_samples=1 --temperature=0
 """
+import glob
 import os
 import re
 import sys
@@ -18,23 +19,23 @@ from data.common import check_meta
 from model import GPT, GPTConfig
 
 # -----------------------------------------------------------------------------
-out_dir = 'out'
+out_dir = ''                # '' = the newest checkpoint under ./out*/
 start = "\n"               # the prompt, or FILE:path to read it from a file
-num_samples = 10
-max_new_tokens = 500
+num_samples = 10           # samples, one batch row each
+max_new_tokens = 500       # tokens generated per sample
 temperature = 0.8          # 0 = greedy
 top_k = 200                # keep the k most likely tokens (>= vocab_size: no filtering)
 top_p = 1.0                # nucleus sampling; 1.0 = off
 seed = 1337
-use_cache = True
+use_cache = True           # KV cache (or the layout's state); False re-runs the window every token
 compare = False            # generate with and without the cache and print a comparison table
 device = 'cuda' if torch.cuda.is_available() else 'cpu'
 # the weights and the cache in this dtype (decode reads both once per token: 16 bits halve it)
 dtype = 'bfloat16' if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else 'float16' if torch.cuda.is_available() else 'float32'
-compile = False
+compile = False            # torch.compile the model (in place)
 # -----------------------------------------------------------------------------
 config_keys = [k for k, v in globals().items() if not k.startswith('_') and isinstance(v, (int, float, bool, str))]
-globals().update(configure({k: globals()[k] for k in config_keys if k != 'config_keys'}, sys.argv[1:]))
+globals().update(configure({k: globals()[k] for k in config_keys if k != 'config_keys'}, sys.argv[1:], __file__))
 # -----------------------------------------------------------------------------
 
 for name, ok, rule in (('max_new_tokens', max_new_tokens >= 0, '>= 0'), ('top_k', top_k >= 1, '>= 1'),
@@ -50,9 +51,16 @@ if not re.fullmatch(r'cpu|cuda(:\d+)?', device):
 if device.startswith('cuda') and not torch.cuda.is_available():
     fail(f"device={device!r} but CUDA is not available here; use --device=cpu")
 
-ckpt_path = os.path.join(out_dir, 'ckpt.pt')
-if not os.path.isfile(ckpt_path):
-    fail(f"no checkpoint at {ckpt_path}: train one first (python train.py ...) or pass --out_dir")
+# ckpt.pt (the best val loss), else last.pt (where an interrupted run stopped); with no out_dir, the newest
+# checkpoint of the out*/ folders here, the ones train.py's configs write
+if not out_dir:
+    out_dir = os.path.dirname(max(glob.glob('out*/ckpt.pt') + glob.glob('out*/last.pt'), key=os.path.getmtime,
+                                  default='out/'))
+ckpt_path = next((p for p in (os.path.join(out_dir, f) for f in ('ckpt.pt', 'last.pt')) if os.path.isfile(p)), None)
+if ckpt_path is None:
+    fail(f"no checkpoint in {out_dir}/ (nor in any ./out*/): train one first (python train.py config/gqa.py "
+         f"config/cpu.py) or pass --out_dir")
+print(f"sampling {ckpt_path}", file=sys.stderr)
 try:
     checkpoint = torch.load(ckpt_path, map_location=device, weights_only=True)
     model = GPT(GPTConfig(**checkpoint['model_args']))
@@ -102,7 +110,7 @@ x = torch.tensor(start_ids, dtype=torch.long, device=device)[None, ...]
 options = dict(temperature=temperature, top_k=top_k, top_p=top_p if top_p < 1 else None)
 
 
-def run(cached, stream=False):
+def run(cached, stream=False, max_new_tokens=max_new_tokens):
     """num_samples samples (one batch row each, one seed); returns the new tokens, tokens/s and the cache."""
     torch.manual_seed(seed)
     cache = model.init_cache(num_samples) if cached else None
@@ -134,10 +142,17 @@ if not compare:
             print('---------------')
     sys.exit(0)
 
-# --compare: the same samples both ways, same seed
+# --compare: the same samples both ways, same seed; a short warm-up of each way, then 3 rounds taking turns
+# (one timing alone swings several-fold on a busy machine)
 cfg = model.config
-with_cache, tps_cache, cache = run(True)  # the cache as generation left it
-without, tps_plain, _ = run(False)
+speed, result = {True: [], False: []}, {}
+for r in range(4):  # round 0: the warm-up
+    for cached in (True, False):
+        result[cached] = run(cached, max_new_tokens=max_new_tokens if r else min(8, max_new_tokens))
+        speed[cached] += [result[cached][1]] if r else []
+(with_cache, _, cache), (without, _, _) = result[True], result[False]  # the cache as generation left it
+median = {k: sorted(v)[1] for k, v in speed.items()}
+spread = lambda k: f"{median[k]:,.1f}  (3 rounds: {min(speed[k]):,.1f} to {max(speed[k]):,.1f})"
 same = torch.equal(with_cache, without)
 diff = (with_cache != without).any(0).nonzero()
 per_token = cache.nbytes / num_samples / len(cache)
@@ -147,11 +162,14 @@ rows = [('layout', cfg.attn), ('device / dtype', f"{device} / {dtype}"),
         ('tokens identical', 'yes' if same else f"no: first difference at new token {diff[0].item()}" +
          (" (16-bit rounding: the two paths add in different orders; float32 gives the same tokens)"
           if dtype != 'float32' else "")),
-        ('tokens/s with cache', f"{tps_cache:,.1f}"),
-        ('tokens/s without cache', f"{tps_plain:,.1f}"),
-        ('speedup', f"{tps_cache / tps_plain:.2f}x"),
+        ('tokens/s with cache', spread(True)),
+        ('tokens/s without cache', spread(False)),
+        ('speedup (medians)', f"{median[True] / median[False]:.2f}x"),
         (f'cache bytes at the end ({len(cache)} tokens x {num_samples} samples)', f"{cache.nbytes:,}"),
         ('cache bytes / token: measured', f"{per_token:,.1f}"),
         ('cache bytes / token: formula', f"{formula:,.1f}" + ('  (fixed state / tokens)' if cfg.attn == 'linear' else ''))]
 width = max(len(k) for k, _ in rows)
 print('\n'.join(f"{k:<{width}} | {v}" for k, v in rows))
+if len(x[0]) + max_new_tokens > cfg.block_size and cfg.attn != 'linear':
+    print(f"(the cache holds {len(cache)} tokens, not {len(x[0]) + max_new_tokens}: past block_size={cfg.block_size} "
+          f"the window slides, and the cache is refilled with the last block_size / 2 tokens)")

@@ -29,12 +29,12 @@ from dataclasses import asdict, fields
 # Ctrl-C and SIGTERM (what `kill` and schedulers send) only set a flag (raising inside torch's import or a save
 # could abort the process or break a file): checked before the training loop (exit, nothing written), at every
 # iteration (save, then exit) and between evaluation batches (the evaluation is dropped)
-interrupted = False
+_interrupted = False  # (not a config key: names starting with _ are not)
 
 
 def on_interrupt(signum, frame):
-    global interrupted
-    interrupted = True
+    global _interrupted
+    _interrupted = True
 
 
 signal.signal(signal.SIGINT, on_interrupt)  # before the slow imports
@@ -53,43 +53,43 @@ from model import GPT, GPTConfig
 # -----------------------------------------------------------------------------
 # defaults: nanoGPT's baby GPT on shakespeare_char
 # I/O
-out_dir = 'out'
-eval_interval = 250
-log_interval = 10
-eval_iters = 200
-eval_only = False
+out_dir = 'out'                 # where ckpt.pt (best val loss), last.pt (resume state) and metrics.jsonl go
+eval_interval = 250             # evaluate (and save if best) every this many iterations, and at the end
+log_interval = 10               # print and log the training loss every this many iterations
+eval_iters = 200                # batches per split in an evaluation
+eval_only = False               # evaluate once (the resumed checkpoint with --init_from=resume) and stop; writes nothing
 always_save_checkpoint = False  # else only when val loss improves
 init_from = 'scratch'           # 'scratch', 'resume' (out_dir's newest state), or an MHA out_dir to convert
 overwrite = False               # a new run may replace out_dir's checkpoints (else it is refused)
 # logging
-wandb_log = False
+wandb_log = False               # log to Weights & Biases too (metrics.jsonl always)
 wandb_project = 'attention-layouts'
 wandb_run_name = ''             # '' = <attn>-<time>; the layout is always in the name
 wandb_mode = ''                 # online / offline / disabled; '' = $WANDB_MODE, else offline without credentials
 # data
-dataset = 'shakespeare_char'
+dataset = 'shakespeare_char'    # shakespeare_char (65 characters) or shakespeare (GPT-2 BPE)
 data_dir = ''                   # '' = data/<dataset>; prepared on first use if train.bin is missing
 gradient_accumulation_steps = 1  # in total, over all DDP processes
-batch_size = 64
-block_size = 256
+batch_size = 64                 # sequences per micro-batch
+block_size = 256                # context length
 # model (GPTConfig's fields)
 n_layer = 6
 n_head = 6
 n_embd = 384
 dropout = 0.2
 bias = False
-attn = 'mha'
-n_kv_head = 0
-pos_emb = 'rope'
+attn = 'mha'                    # mha, gqa, mqa, mla or linear
+n_kv_head = 0                   # K/V heads of mha/gqa/mqa; 0 = n_head / smallest divisor > 1 / 1
+pos_emb = 'rope'                # rope, or learned absolute positions (nanoGPT's)
 rope_base = 10000.0
 kv_lora_rank = 0                # MLA d_c; 0 = 4 * head_dim (DeepSeek-V2's ratio)
 rope_head_dim = 0               # MLA d_R; 0 = head_dim / 2
-q_lora_rank = 0
-chunk_size = 64
-match_mha_params = False
+q_lora_rank = 0                 # MLA query compression; 0 = off
+chunk_size = 64                 # linear attention: chunk of the chunkwise training form
+match_mha_params = False        # widen/narrow the MLP to MHA's parameter count
 # AdamW and the learning-rate schedule (linear warmup, cosine decay to min_lr)
 learning_rate = 1e-3
-max_iters = 5000
+max_iters = 5000                # training iterations in all (a resume continues up to it)
 weight_decay = 1e-1
 beta1 = 0.9
 beta2 = 0.99
@@ -101,13 +101,14 @@ min_lr = 1e-4
 # system
 device = 'cuda' if torch.cuda.is_available() else 'cpu'
 dtype = 'bfloat16' if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else 'float16' if torch.cuda.is_available() else 'float32'
-compile = False
+compile = False                 # torch.compile the model
 backend = ''                    # '' = nccl on CUDA, gloo on CPU
 seed = 1337
 # -----------------------------------------------------------------------------
 config_keys = [k for k, v in globals().items() if not k.startswith('_') and isinstance(v, (int, float, bool, str))
                and k not in ('config_keys',)]
-config = configure({k: globals()[k] for k in config_keys}, sys.argv[1:])
+given = set()  # the keys a config file or flag set
+config = configure({k: globals()[k] for k in config_keys}, sys.argv[1:], __file__, given)
 globals().update(config)
 model_keys = [f.name for f in fields(GPTConfig) if f.name != 'vocab_size']
 # -----------------------------------------------------------------------------
@@ -323,7 +324,7 @@ def estimate_loss():
         gen = torch.Generator().manual_seed(seed + 1000 * (split == 'val'))  # the same batches every time
         losses = torch.zeros(eval_iters)
         for k in range(eval_iters):
-            if interrupted:  # stop within a batch, not at the end of a long evaluation
+            if _interrupted:  # stop within a batch, not at the end of a long evaluation
                 net.train()
                 return None
             X, Y = get_batch(split, gen)
@@ -433,8 +434,8 @@ if wandb_log and master_process:
 
 def stop_requested():  # Ctrl-C on any rank: every DDP rank stops at the same iteration
     if not ddp:
-        return interrupted
-    flag = torch.tensor([float(interrupted)], device=device)
+        return _interrupted
+    flag = torch.tensor([float(_interrupted)], device=device)
     dist.all_reduce(flag, op=dist.ReduceOp.MAX)
     return bool(flag.item())
 

@@ -1,4 +1,6 @@
 """Config files in order, then --key=value, type-checked; mistakes are one line and exit 2."""
+import os
+import re
 import subprocess
 import sys
 
@@ -56,3 +58,18 @@ def test_train_py_bad_input_exits_with_one_line(tmp_path, args, message, char_da
     assert r.returncode == 2, r.stderr
     assert message in r.stderr and 'Traceback' not in r.stderr
     assert len(r.stderr.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize('script,flag', [('train.py', '--help'), ('sample.py', '-h')])
+def test_help_lists_every_key_with_its_default_and_comment(script, flag):
+    r = subprocess.run([sys.executable, script, flag], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0 and r.stderr == '', r.stderr
+    listed = re.findall(r"^  --(\w+)=", r.stdout, re.M)
+    source = open(os.path.join(ROOT, script)).read().split('\n# ---')[1]
+    keys = re.findall(r"^(\w+) = ", source, re.M)
+    assert sorted(listed) == sorted(keys) and len(keys) > 10  # every key, once
+    for key, comment in re.findall(r"^(\w+) = .*?  # (.*)$", source, re.M):
+        assert re.search(rf"^  --{key}=\S*\s+{re.escape(comment)}$", r.stdout, re.M), key  # its own comment
+    assert re.search(r"^  --top_k=200 +keep the k most" if script == 'sample.py' else r"^  --max_iters=5000 ", r.stdout, re.M)
+    bad = subprocess.run([sys.executable, script, '--interrupted=True'], cwd=ROOT, capture_output=True, text=True)
+    assert bad.returncode == 2 and "unknown config key 'interrupted'" in bad.stderr  # the signal flag is no key

@@ -1,6 +1,8 @@
 """sample.py end to end on a tiny checkpoint trained here: both cache modes, --compare, streaming,
 prompt errors, top-k / top-p, and a BPE (tiktoken) checkpoint."""
 import os
+import re
+import shutil
 import subprocess
 import sys
 
@@ -43,7 +45,12 @@ def test_compare_table(ckpt_dir):
     table = dict(line.split(' | ', 1) for line in out.splitlines() if ' | ' in line)
     table = {k.strip(): v for k, v in table.items()}
     assert table['layout'] == 'mla' and table['tokens identical'] == 'yes'
-    assert float(table['speedup'].rstrip('x')) > 0
+    for way in ('with', 'without'):  # a warm-up, then 3 rounds taking turns: the median and the spread
+        m = re.fullmatch(r"([\d,.]+)  \(3 rounds: ([\d,.]+) to ([\d,.]+)\)", table[f'tokens/s {way} cache'])
+        low, median, high = (float(g.replace(',', '')) for g in (m.group(2), m.group(1), m.group(3)))
+        assert 0 < low <= median <= high
+    assert float(table['speedup (medians)'].rstrip('x')) > 0
+    assert "the cache holds" in out and "past block_size=32 the window slides" in out  # why fewer than generated
     assert table['cache bytes / token: measured'] == table['cache bytes / token: formula']
     n, start = len('ROMEO:'), 0  # the window policy, replayed: block 32, slides keep the last 16 tokens
     for _ in range(80):
@@ -145,3 +152,22 @@ def test_bpe_checkpoint(tmp_path):
     assert r.returncode == 0, r.stderr
     text = sample(str(out), '--start=the king', '--compare', '--num_samples=1', '--max_new_tokens=20', env=env)
     assert 'tokens identical | yes' in ' '.join(text.split())
+
+
+def test_sample_as_typed_finds_the_newest_checkpoint(tmp_path, ckpt_dir):
+    """`python sample.py --use_cache` and `--compare` with no other flag: the newest checkpoint of ./out*/."""
+    for name in ('out-older', 'out-newer'):
+        shutil.copytree(ckpt_dir, tmp_path / name)
+    os.utime(tmp_path / 'out-older' / 'ckpt.pt', (1, 1))
+    cwd = lambda *args: subprocess.run([sys.executable, os.path.join(ROOT, 'sample.py'), *args], cwd=tmp_path,
+                                       capture_output=True, text=True, timeout=300)
+    for args in (['--use_cache'], ['--compare']):
+        r = cwd(*args, '--max_new_tokens=12')
+        assert r.returncode == 0 and r.stderr.strip() == f"sampling {os.path.join('out-newer', 'ckpt.pt')}", r.stderr
+    assert 'tokens identical' in r.stdout
+    os.remove(tmp_path / 'out-newer' / 'ckpt.pt')  # an interrupted run left only last.pt: sampled too
+    shutil.copy(tmp_path / 'out-older' / 'ckpt.pt', tmp_path / 'out-newer' / 'last.pt')
+    assert cwd('--max_new_tokens=3').stderr.strip() == f"sampling {os.path.join('out-newer', 'last.pt')}"
+    shutil.rmtree(tmp_path / 'out-older'), shutil.rmtree(tmp_path / 'out-newer')
+    r = cwd()
+    assert r.returncode == 2 and r.stderr.startswith('error: no checkpoint in out/ (nor in any ./out*/)')

@@ -277,12 +277,17 @@ elif converting:  # MHA -> GQA/MQA: mean-pool the K/V heads of init_from/ckpt.pt
     source, source_cfg = load_checkpoint(os.path.join(init_from, 'ckpt.pt'))
     if attn not in ('mha', 'gqa', 'mqa') or source_cfg.vocab_size != meta['vocab_size']:
         fail(f"converting {init_from} needs attn in mha/gqa/mqa (not {attn!r}) and the same vocabulary")
+    # the source's shape (and MLP), this run's K/V heads and dropout; a flag asking for another shape is a mistake
+    conflicts = [f"--{k}={config[k]} (the checkpoint has {getattr(source_cfg, k)})" for k in model_keys
+                 if k in given and k not in ('attn', 'n_kv_head', 'dropout', 'match_mha_params')
+                 and config[k] != getattr(source_cfg, k)]
+    if conflicts:
+        fail(f"converting {init_from} keeps its shape: drop {', '.join(conflicts)}")
     model_args = {**{k: getattr(source_cfg, k) for k in model_keys}, 'attn': attn, 'n_kv_head': n_kv_head,
-                  'match_mha_params': False, 'dropout': dropout}  # its shape, this run's heads; MLP kept
+                  'match_mha_params': False, 'dropout': dropout}
+    print(f"the shape of {init_from}: {' '.join(flags(GPTConfig(**model_args), GPTConfig()) or ['the defaults'])}")
 gptconf = GPTConfig(vocab_size=meta['vocab_size'], **model_args)
-if gptconf.block_size != block_size:  # a converted model keeps its source's context length
-    block_size, tokens_per_iter = gptconf.block_size, tokens_per_iter // block_size * gptconf.block_size
-    print(f"block_size={block_size}, the converted checkpoint's")
+block_size, tokens_per_iter = gptconf.block_size, tokens_per_iter // block_size * gptconf.block_size  # (converted)
 model = GPT(gptconf)
 if converting:
     try:

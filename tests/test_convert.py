@@ -86,18 +86,25 @@ def test_train_py_converts_an_mha_checkpoint(tmp_path, char_data):
     assert len(same.stderr.strip().splitlines()) == 1 and (tmp_path / 'mha' / 'ckpt.pt').read_bytes() == before
 
 
-def test_an_interrupted_conversion_resumes_with_the_printed_command(tmp_path, char_data):
-    """A converted model has its source's shape, not this run's config (block_size, layers, MLP): the command
-    printed at Ctrl-C says so, and works as printed."""
+def test_a_cpu_preset_conversion_takes_the_source_shape_and_resumes_as_printed(tmp_path, char_data):
+    """`python train.py config/gqa.py --init_from=<CPU-preset MHA out_dir>` (the README's line): the model's shape
+    and block_size come from the checkpoint; a flag asking for another shape is one line; the command printed at
+    Ctrl-C carries the shape and works as printed."""
     import shlex, subprocess, sys
     from conftest import ROOT
     from test_train import train, interrupted
-    train(tmp_path / 'mha', char_data, '--max_iters=2', '--eval_interval=2')  # block 32, 2 layers
-    out, _ = interrupted(tmp_path / 'gqa', char_data, '--attn=gqa', '--n_kv_head=2', f'--init_from={tmp_path / "mha"}',
-                         '--block_size=64', '--n_layer=3', '--match_mha_params=True', '--eval_interval=1000')
-    assert 'block_size=32, the converted checkpoint' in out
+    train(tmp_path / 'mha', char_data, '--max_iters=1', '--eval_interval=1', launcher=(sys.executable,),
+          base=['config/mha.py', 'config/cpu.py', '--eval_iters=2'])  # 4 layers, 128 wide, block 64
+    quick = ['config/gqa.py', '--device=cpu', '--batch_size=4', '--eval_iters=2', '--log_interval=5']
+    bad = subprocess.run([sys.executable, 'train.py', *quick, '--n_layer=3', f'--init_from={tmp_path / "mha"}',
+                          f'--out_dir={tmp_path / "x"}', f'--data_dir={char_data}'], cwd=ROOT, capture_output=True,
+                         text=True)
+    assert bad.returncode == 2 and bad.stderr.strip() == \
+        f"error: converting {tmp_path / 'mha'} keeps its shape: drop --n_layer=3 (the checkpoint has 4)"
+    out, _ = interrupted(tmp_path / 'gqa', char_data, f'--init_from={tmp_path / "mha"}', '--eval_interval=1000', base=quick)
+    assert re.search(r"^the shape of .*mha: .*--block_size=64 .*--n_layer=4 --n_head=4 --n_embd=128", out, re.M), out
     command = shlex.split(re.search(r"continue with:\n  (.*)", out).group(1))
-    assert {'--block_size=32', '--n_layer=2', '--match_mha_params=False', '--init_from=resume'} <= set(command)
+    assert {'--block_size=64', '--n_layer=4', '--match_mha_params=False', '--init_from=resume'} <= set(command)
     it = torch.load(tmp_path / 'gqa' / 'last.pt', weights_only=True)['iter_num']
     r = subprocess.run([sys.executable, *command[1:], f'--max_iters={it + 1}'], cwd=ROOT, capture_output=True,
                        text=True, timeout=120)

@@ -18,16 +18,16 @@ TINY = ['config/cpu.py', '--n_layer=2', '--n_head=4', '--n_embd=64', '--block_si
         '--eval_iters=5', '--log_interval=5', '--learning_rate=3e-3', '--warmup_iters=5']
 
 
-def train(tmp_path, data_dir, *args, env=None, launcher=(sys.executable,)):
-    r = subprocess.run([*launcher, 'train.py', *TINY, f'--out_dir={tmp_path}', f'--data_dir={data_dir}', *args],
+def train(tmp_path, data_dir, *args, env=None, launcher=(sys.executable,), base=TINY):
+    r = subprocess.run([*launcher, 'train.py', *base, f'--out_dir={tmp_path}', f'--data_dir={data_dir}', *args],
                        cwd=ROOT, capture_output=True, text=True, timeout=300, env=environ(env))
     assert r.returncode == 0, r.stderr[-3000:]
     return r
 
 
-def interrupted(out_dir, data_dir, *args, sig=signal.SIGINT, launcher=(sys.executable,)):
+def interrupted(out_dir, data_dir, *args, sig=signal.SIGINT, launcher=(sys.executable,), base=TINY):
     """train.py started, signalled once it has logged a few training rows, and waited for; (stdout, stderr)."""
-    p = subprocess.Popen([*launcher, 'train.py', *TINY, f'--out_dir={out_dir}', f'--data_dir={data_dir}',
+    p = subprocess.Popen([*launcher, 'train.py', *base, f'--out_dir={out_dir}', f'--data_dir={data_dir}',
                           '--max_iters=100000', *args], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     log, deadline = os.path.join(out_dir, 'metrics.jsonl'), time.time() + 60
     while not os.path.exists(log) or sum(1 for line in open(log) if 'batch_loss' in line) < 3:

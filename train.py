@@ -185,7 +185,8 @@ if not os.path.exists(os.path.join(data_dir, 'train.bin')) and master_process:
     script = os.path.join(os.path.dirname(os.path.abspath(__file__)), 'data', dataset, 'prepare.py')
     if not os.path.isfile(script):
         fail(f"no {data_dir}/train.bin and no data/{dataset}/prepare.py to make it; dataset={dataset!r} is unknown")
-    print(f"preparing {dataset} into {data_dir} (set SHAKESPEARE_PATH to use a local input.txt)")
+    print(f"preparing {dataset} into {data_dir} from " + (os.environ.get('SHAKESPEARE_PATH') or
+          "a download (offline? set SHAKESPEARE_PATH=/path/to/input.txt)"))
     spec = importlib.util.spec_from_file_location('prepare', script)
     prepare = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(prepare)

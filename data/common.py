@@ -30,9 +30,10 @@ def read_text(input_path=None, download_to=None):
             raise PrepareError(f"could not download tiny Shakespeare ({e}); offline? point {ENV}=PATH "
                                f"(or prepare.py --input PATH) at a local input.txt") from None
         if download_to:  # temp file, then rename: an interrupted download leaves no half input.txt
-            with open(download_to + '.tmp', 'w', encoding='utf-8') as f:
+            os.makedirs(os.path.dirname(download_to) or '.', exist_ok=True)
+            with open(f"{download_to}.tmp{os.getpid()}", 'w', encoding='utf-8') as f:
                 f.write(text)
-            os.replace(download_to + '.tmp', download_to)
+            os.replace(f"{download_to}.tmp{os.getpid()}", download_to)
         return text
     try:
         with open(path, encoding='utf-8') as f:

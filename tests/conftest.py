@@ -48,14 +48,30 @@ def attn(request):
     return request.param
 
 
-SHAKESPEARE = os.environ.get('SHAKESPEARE_PATH') or os.path.join(ROOT, '..', 'shared', 'data', 'tinyshakespeare',
-                                                                  'input.txt')
+def find_text(root=ROOT):
+    """The tiny Shakespeare text wherever a user has it: $SHAKESPEARE_PATH, else where the README's first command
+    left it (data/*/input.txt), else ../shared/data/tinyshakespeare/input.txt, else downloaded as prepare does."""
+    from data.common import ENV, PrepareError, read_text
+    candidates = [os.environ.get(ENV), os.path.join(root, 'data', 'shakespeare_char', 'input.txt'),
+                  os.path.join(root, 'data', 'shakespeare', 'input.txt'),
+                  os.path.join(root, '..', 'shared', 'data', 'tinyshakespeare', 'input.txt')]
+    found = next((p for p in candidates if p and os.path.isfile(p)), None)
+    if found:
+        return found
+    try:
+        read_text(None, download_to=candidates[1])
+    except PrepareError as e:
+        return f"(not found: {e})"
+    return candidates[1]
+
+
+SHAKESPEARE = find_text()
 
 
 @pytest.fixture(scope='session')
 def char_data(tmp_path_factory):
     """tiny Shakespeare prepared at the char level once per test session, in a temp folder."""
-    assert os.path.isfile(SHAKESPEARE), f"tests need the tiny Shakespeare text at {SHAKESPEARE} (or $SHAKESPEARE_PATH)"
+    assert os.path.isfile(SHAKESPEARE), f"tests need the tiny Shakespeare text {SHAKESPEARE}"
     from data.shakespeare_char.prepare import prepare
     out = tmp_path_factory.mktemp('shakespeare_char')
     prepare(str(out), SHAKESPEARE)

@@ -72,3 +72,23 @@ def test_prepare_into_a_file_or_unwritable_folder_is_one_line(tmp_path):
                             '--out_dir', str(out)], cwd=ROOT, capture_output=True, text=True)
         assert r.returncode == 1 and r.stderr.strip() == f"error: cannot write the dataset to {str(out)!r}: {why}"
     assert (tmp_path / 'a-file').read_text() == 'kept'
+
+
+def test_the_tests_find_the_text_where_a_user_has_it(tmp_path, monkeypatch):
+    """$SHAKESPEARE_PATH, else data/shakespeare_char/input.txt (where the README's first command downloads it),
+    else ../shared/..., else a download; offline with none of them, the reason."""
+    from conftest import find_text
+    root = tmp_path / 'clone'
+    root.mkdir()
+    monkeypatch.delenv(common.ENV, raising=False)
+    monkeypatch.setattr(common, 'URL', 'http://127.0.0.1:9/input.txt')  # nothing listens there: offline
+    assert 'could not download tiny Shakespeare' in find_text(str(root))
+    shared = tmp_path / 'shared' / 'data' / 'tinyshakespeare' / 'input.txt'
+    shared.parent.mkdir(parents=True)
+    shared.write_text('shared copy')
+    assert os.path.samefile(find_text(str(root)), shared)
+    (root / 'data' / 'shakespeare_char').mkdir(parents=True)
+    (root / 'data' / 'shakespeare_char' / 'input.txt').write_text('downloaded by prepare')
+    assert find_text(str(root)) == str(root / 'data' / 'shakespeare_char' / 'input.txt')
+    monkeypatch.setenv(common.ENV, str(shared))
+    assert find_text(str(root)) == str(shared)

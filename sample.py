@@ -15,7 +15,7 @@ import time
 import torch
 
 from configurator import configure, describe, fail
-from data.common import check_meta
+from data.common import PrepareError, check_meta, tokenizer
 from model import GPT, GPTConfig
 
 # -----------------------------------------------------------------------------
@@ -75,25 +75,10 @@ if compile:  # in place: stream() calls self(...), which a torch.compile(model) 
 torch.manual_seed(seed)
 device_type = 'cuda' if 'cuda' in device else 'cpu'
 
-# the tokenizer the checkpoint was trained with
-if meta['kind'] == 'char':
-    stoi = {ch: i for i, ch in enumerate(meta['itos'])}
-    decode = lambda ids: ''.join(meta['itos'][i] for i in ids)
-
-    def encode(s):
-        unknown = sorted(set(c for c in s if c not in stoi))
-        if unknown:
-            fail(f"the prompt has characters outside the vocabulary: {''.join(unknown)!r} "
-                 f"({', '.join(repr(c) for c in unknown)})")
-        return [stoi[c] for c in s]
-else:
-    import tiktoken
-    try:
-        enc = tiktoken.get_encoding(meta['encoding'])
-    except Exception as e:
-        fail(f"cannot load tiktoken encoding {meta['encoding']!r} ({type(e).__name__}); it is downloaded on first use")
-    encode = lambda s: enc.encode(s, allowed_special={'<|endoftext|>'} & enc.special_tokens_set)
-    decode = enc.decode
+try:  # the tokenizer the checkpoint was trained with
+    encode, decode = tokenizer(meta)
+except PrepareError as e:
+    fail(str(e))
 
 if start.startswith('FILE:'):
     try:
@@ -103,7 +88,10 @@ if start.startswith('FILE:'):
         fail(f"cannot read the prompt file {start[5:]!r}: {e.strerror}")
     except UnicodeDecodeError as e:
         fail(f"the prompt file {start[5:]!r} is not UTF-8 text (byte {e.start})")
-start_ids = encode(start)
+try:
+    start_ids = encode(start)
+except ValueError as e:
+    fail(f"the prompt has {e}")
 if not start_ids:
     fail("the prompt is empty: give at least one token with --start=... (the default is a newline)")
 x = torch.tensor(start_ids, dtype=torch.long, device=device)[None, ...]

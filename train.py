@@ -47,8 +47,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from configurator import configure, describe, fail
 from convert import pool_kv_heads
-from data.common import PrepareError, check_meta, run_prepare
-from model import GPT, GPTConfig
+from data.common import PrepareError, check_meta, run_prepare, tokenizer
+from model import GPT, GPTConfig, mlp_hidden
 
 # -----------------------------------------------------------------------------
 # defaults: nanoGPT's baby GPT on shakespeare_char
@@ -61,11 +61,13 @@ eval_only = False               # evaluate once (the resumed checkpoint with --i
 always_save_checkpoint = False  # else only when val loss improves
 init_from = 'scratch'           # 'scratch', 'resume' (out_dir's newest state), or an MHA out_dir to convert
 overwrite = False               # a new run may replace out_dir's checkpoints (else it is refused)
+sample_every_eval = False       # print a short greedy sample at each evaluation (with wandb_log, always: a W&B table)
 # logging
 wandb_log = False               # log to Weights & Biases too (metrics.jsonl always)
 wandb_project = 'attention-layouts'
 wandb_run_name = ''             # '' = <attn>-<time>; the layout is always in the name
 wandb_mode = ''                 # online / offline / disabled; '' = $WANDB_MODE, else offline without credentials
+wandb_log_checkpoint = False    # with wandb_log: ckpt.pt (the best weights) as a W&B artifact at the end
 # data
 dataset = 'shakespeare_char'    # shakespeare_char (65 characters) or shakespeare (GPT-2 BPE)
 data_dir = ''                   # '' = data/<dataset>; prepared on first use if train.bin is missing
@@ -234,7 +236,7 @@ def get_batch(split, generator):
 # model. out_dir/ckpt.pt holds the best weights by val loss (what sample.py reads); out_dir/last.pt the state an
 # interrupt stopped at. A resume continues from the later of the two, so an interrupt never replaces the best weights.
 ckpt_path, last_path = os.path.join(out_dir, 'ckpt.pt'), os.path.join(out_dir, 'last.pt')
-iter_num, best_val_loss = 0, 1e9
+iter_num, best_val_loss, wandb_id = 0, 1e9, None
 model_args = {k: config[k] for k in model_keys}
 asked = GPTConfig(vocab_size=meta['vocab_size'], **model_args)
 
@@ -264,6 +266,7 @@ if init_from == 'resume':
     resume_path, checkpoint, saved = max(loaded, key=lambda c: c[1]['iter_num'])  # the first of equals: ckpt.pt
     loaded = None
     iter_num, best_val_loss = checkpoint['iter_num'], checkpoint['best_val_loss']
+    wandb_id = checkpoint.get('wandb_id')  # a resumed run continues its W&B run
     if saved.vocab_size != asked.vocab_size:
         fail(f"{resume_path} was trained on a vocabulary of {saved.vocab_size}, this dataset has {asked.vocab_size}; "
              f"resume with its --dataset / --data_dir or change out_dir")
@@ -342,6 +345,27 @@ def estimate_loss():
     return out
 
 
+try:  # for the samples at evaluations
+    encode, decode = tokenizer(meta)
+except PrepareError:  # a BPE whose encoding cannot be downloaded: no samples
+    encode = decode = None
+samples = []
+
+
+@torch.no_grad()
+def sample_text(n=200):
+    """n greedy, cached tokens after a newline (nanoGPT's default prompt) from the current weights."""
+    raw_model.eval()
+    try:
+        prompt = encode('\n')
+    except ValueError:  # a vocabulary without a newline
+        prompt = [0]
+    with ctx:
+        out = raw_model.generate(torch.tensor([prompt], device=device), n, temperature=0)
+    raw_model.train()
+    return decode(out[0, len(prompt):].tolist())
+
+
 def get_lr(it):
     if it < warmup_iters:
         return learning_rate * (it + 1) / (warmup_iters + 1)
@@ -355,7 +379,8 @@ def save_checkpoint(path, val_loss=None):
     """Written to a temp file in out_dir, flushed to disk, then renamed: a crash never leaves half a file.
     val_loss: of these weights (None: not evaluated); best_val_loss: of the best weights so far, in ckpt.pt."""
     ckpt = {'model': raw_model.state_dict(), 'optimizer': optimizer.state_dict(), 'model_args': asdict(gptconf),
-            'iter_num': iter_num, 'val_loss': val_loss, 'best_val_loss': best_val_loss, 'config': config, 'meta': meta}
+            'iter_num': iter_num, 'val_loss': val_loss, 'best_val_loss': best_val_loss, 'config': config, 'meta': meta,
+            'wandb_id': wandb_id}
     tmp = f"{path}.tmp{os.getpid()}"  # unique per process
     try:
         with open(tmp, 'wb') as f:
@@ -411,8 +436,8 @@ def log(row):
         return
     with open(metrics_path, 'a') as f:
         f.write(json.dumps(row) + '\n')
-    if wandb_log:
-        wandb.log(row, step=row['iter'])
+    if wandb_log:  # (cache bytes/token is a constant: in the summary)
+        wandb.log({k: v for k, v in row.items() if k != 'cache_bytes_per_token'}, step=row['iter'])
 
 
 def wandb_credentials():
@@ -434,8 +459,14 @@ if wandb_log and master_process:
     origin = f"-from-{os.path.basename(os.path.normpath(init_from))}" if converting else ''
     name = wandb_run_name or f"{attn}{origin}-{time.strftime('%Y%m%d-%H%M%S')}"
     name = name if attn in name else f"{attn}-{name}"
-    wandb.init(project=wandb_project, name=name, config=config, mode=mode, dir=out_dir)
-    print(f"W&B run {name} ({mode})")
+    wandb_id = wandb_id or os.urandom(4).hex()  # kept in the checkpoint: a resume continues this run
+    model_info = {'model': asdict(gptconf), 'params': raw_model.get_num_params(), 'mlp_hidden': mlp_hidden(gptconf),
+                  'tokens_per_iter': tokens_per_iter}  # the resolved shape (n_kv_head, MLA d_c / d_R, ...)
+    run = wandb.init(project=wandb_project, name=name, id=wandb_id, resume='allow', mode=mode,
+                     config={**config, **model_info})
+    run.summary.update({'params': model_info['params'], 'cache_bytes_per_token': cache_bytes_per_token})
+    print(f"W&B run {name} ({mode}) in {os.path.relpath(os.path.dirname(run.dir))}" +
+          (f"; upload it later with: wandb sync {os.path.relpath(os.path.dirname(run.dir))}" if mode == 'offline' else ''))
 
 
 def stop_requested():  # Ctrl-C on any rank: every DDP rank stops at the same iteration
@@ -479,6 +510,12 @@ while True:
             sys.exit(130)
     if losses:
         print(f"step {iter_num}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f}")
+        if (sample_every_eval or wandb_log) and decode:
+            text = sample_text()
+            print(f"sample: {text!r}") if sample_every_eval else None
+            if wandb_log:
+                samples.append([iter_num, attn, text])
+                wandb.log({'samples': wandb.Table(columns=['iter', 'layout', 'text'], data=samples)}, step=iter_num)
         log({'iter': iter_num, 'train/loss': losses['train'], 'val/loss': losses['val'], 'lr': lr,
              'cache_bytes_per_token': cache_bytes_per_token})
         if not (math.isfinite(losses['train']) and math.isfinite(losses['val'])):  # never saved, whatever the flags
@@ -486,6 +523,8 @@ while True:
                  f"{losses['val']}); stopped, {kept()} (try a lower learning_rate)")
         if (losses['val'] < best_val_loss or always_save_checkpoint) and not eval_only:
             best_val_loss = min(best_val_loss, losses['val'])
+            if wandb_log:
+                run.summary['best_val_loss'] = best_val_loss
             if local_iter_num > 0:  # weights this run trained (a resume's first eval is the checkpoint itself)
                 save_checkpoint(ckpt_path, losses['val'])
                 saved_at = iter_num
@@ -543,4 +582,8 @@ if ddp:  # every rank must end with the same weights
     print(f"rank {ddp_rank}: weights sha256 {digest.hexdigest()[:16]}", flush=True)
     dist.destroy_process_group()
 if wandb_log and master_process:
+    if wandb_log_checkpoint and os.path.isfile(ckpt_path):
+        artifact = wandb.Artifact(f"{wandb_id}-ckpt", type='model', metadata={'best_val_loss': best_val_loss})
+        artifact.add_file(ckpt_path)
+        wandb.log_artifact(artifact)
     wandb.finish()

@@ -58,6 +58,27 @@ def check_meta(meta):
     return meta
 
 
+def tokenizer(meta):
+    """(encode, decode) of a prepared dataset's meta; encode raises ValueError naming characters it cannot encode."""
+    if meta['kind'] == 'char':
+        stoi = {ch: i for i, ch in enumerate(meta['itos'])}
+
+        def encode(s):
+            unknown = sorted(set(c for c in s if c not in stoi))
+            if unknown:
+                raise ValueError(f"characters outside the vocabulary: {''.join(unknown)!r} "
+                                 f"({', '.join(repr(c) for c in unknown)})")
+            return [stoi[c] for c in s]
+        return encode, lambda ids: ''.join(meta['itos'][i] for i in ids)
+    import tiktoken
+    try:
+        enc = tiktoken.get_encoding(meta['encoding'])
+    except Exception as e:
+        raise PrepareError(f"cannot load tiktoken encoding {meta['encoding']!r} ({type(e).__name__}); it is "
+                           f"downloaded on first use") from None
+    return lambda s: enc.encode(s, allowed_special={'<|endoftext|>'} & enc.special_tokens_set), enc.decode
+
+
 def split(text, train_fraction=0.9):
     """First 90% of the characters for training, the last 10% for validation (as nanoGPT)."""
     n = int(len(text) * train_fraction)

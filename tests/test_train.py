@@ -95,29 +95,51 @@ def test_resume_continues_from_the_saved_iteration(tmp_path, char_data):
     assert all(torch.equal(a['model'][k], b['model'][k]) for k in a['model'])
 
 
-def test_wandb_offline_history_read_back(tmp_path, char_data):
-    # no credentials (no key, no ~/.netrc) and no mode given: train.py must pick offline by itself
-    env = {'WANDB_MODE': None, 'WANDB_API_KEY': None, 'HOME': str(tmp_path), 'WANDB_SILENT': 'true'}
-    train(tmp_path, char_data, '--attn=mqa', '--max_iters=10', '--eval_interval=5', '--wandb_log=True',
-          '--wandb_run_name=smoke', env=env)
-    assert any(d.startswith('offline-run-') for d in os.listdir(tmp_path / 'wandb'))  # offline, not online
-    run_dir = tmp_path / 'wandb' / 'latest-run'
-    r = subprocess.run([sys.executable, '-m', 'wandb', 'leet', 'inspect', '--json', str(run_dir)],
+def wandb_records(run_dir, *flags):
+    r = subprocess.run([sys.executable, '-m', 'wandb', 'leet', 'inspect', '--json', *flags, str(run_dir)],
                        capture_output=True, text=True, timeout=120)
-    rows = [json.loads(line) for line in r.stdout.splitlines() if line.startswith('{')]
-    history = [row['history']['item'] for row in rows if row.get('type') == 'history']
-    keys = set().union(*history)
-    for key in ('iter', 'train/loss', 'val/loss', 'lr', 'tokens_per_sec', 'mfu', 'cache_bytes_per_token',
-                'train/batch_loss', 'ms_per_iter'):
-        assert key in keys, key
+    if flags:  # --summary: one indented object
+        return [json.loads(r.stdout)]
+    return [json.loads(line) for line in r.stdout.splitlines() if line.startswith('{')]
+
+
+def test_wandb_offline_run_read_back(tmp_path, char_data):
+    """An offline run where W&B looks (./wandb, here $WANDB_DIR), read back: history == metrics.jsonl, the resolved
+    model and parameter count in the config, constants in the summary, a table of samples, the checkpoint as an
+    artifact; a resume continues the same W&B run."""
+    # no credentials (no key, no ~/.netrc) and no mode given: train.py must pick offline by itself
+    env = {'WANDB_MODE': None, 'WANDB_API_KEY': None, 'HOME': str(tmp_path), 'WANDB_SILENT': 'true',
+           'WANDB_DIR': str(tmp_path)}
+    out = tmp_path / 'out'
+    r = train(out, char_data, '--attn=mqa', '--max_iters=10', '--eval_interval=5', '--wandb_log=True',
+              '--wandb_run_name=smoke', '--wandb_log_checkpoint=True', env=env)
+    runs = [d for d in os.listdir(tmp_path / 'wandb') if d.startswith('offline-run-')]  # offline, not online
+    assert len(runs) == 1 and f"W&B run mqa-smoke (offline) in {os.path.relpath(tmp_path / 'wandb' / runs[0], ROOT)}; " \
+        f"upload it later with: wandb sync" in r.stdout, r.stdout
+    records = wandb_records(tmp_path / 'wandb' / runs[0])
+    history = [row['history']['item'] for row in records if row.get('type') == 'history']
+    for key in ('iter', 'train/loss', 'val/loss', 'lr', 'tokens_per_sec', 'mfu', 'train/batch_loss', 'ms_per_iter'):
+        assert key in set().union(*history), key
     assert [h['iter'] for h in history if 'val/loss' in h] == [0, 5, 10]
-    steps = [m for m in metrics(tmp_path) if 'train/batch_loss' in m]  # MFU is logged once measured (iter 5), not as -100
+    steps = [m for m in metrics(out) if 'train/batch_loss' in m]  # MFU is logged once measured (iter 5), not as -100
     assert 'mfu' not in steps[0] and all(m['mfu'] >= 0 for m in steps[1:])
     assert [h['val/loss'] for h in history if 'val/loss' in h] == \
-        [m['val/loss'] for m in metrics(tmp_path) if 'val/loss' in m]  # the same rows as metrics.jsonl
-    summary = json.loads(subprocess.run([sys.executable, '-m', 'wandb', 'leet', 'inspect', '--summary', '--json',
-                                         str(run_dir)], capture_output=True, text=True, timeout=120).stdout)
+        [m['val/loss'] for m in metrics(out) if 'val/loss' in m]  # the same rows as metrics.jsonl
+    assert not any('cache_bytes_per_token' in h for h in history)  # a constant: in the summary
+    assert [h['iter'] for h in history if 'samples._type' in h] == [0, 5, 10]  # a table of samples at each eval
+    artifacts = [row['artifact'] for row in records if row.get('type') == 'artifact']
+    assert [c['path'] for a in artifacts for c in a['manifest']['contents']][-1] == 'ckpt.pt'
+    summary = wandb_records(tmp_path / 'wandb' / runs[0], '--summary')[0]
+    ckpt = torch.load(out / 'ckpt.pt', weights_only=True)
     assert summary['name'] == 'mqa-smoke' and summary['config']['attn'] == 'mqa'
+    assert summary['config']['model']['n_kv_head'] == 1 and summary['config']['n_kv_head'] == 0  # resolved, asked
+    assert summary['config']['params'] == summary['summary']['params'] > 0 and summary['config']['tokens_per_iter'] == 256
+    assert summary['summary']['best_val_loss'] == ckpt['best_val_loss'] == min(m['val/loss'] for m in metrics(out) if 'val/loss' in m)
+    assert summary['summary']['cache_bytes_per_token'] == 2 * 2 * 1 * 16 * 4
+    train(out, char_data, '--attn=mqa', '--max_iters=12', '--eval_interval=5', '--wandb_log=True',
+          '--wandb_run_name=smoke', '--init_from=resume', env=env)  # the same W&B run, continued
+    again = sorted(d for d in os.listdir(tmp_path / 'wandb') if d.startswith('offline-run-'))
+    assert len(again) == 2 and {d.rsplit('-', 1)[1] for d in again} == {ckpt['wandb_id']}
 
 
 def test_ddp_two_cpu_processes(tmp_path, char_data):

@@ -512,7 +512,8 @@ while True:
         print(f"step {iter_num}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f}")
         if (sample_every_eval or wandb_log) and decode:
             text = sample_text()
-            print(f"sample: {text!r}") if sample_every_eval else None
+            if sample_every_eval:
+                print(f"sample:\n{text}\n---")
             if wandb_log:
                 samples.append([iter_num, attn, text])
                 wandb.log({'samples': wandb.Table(columns=['iter', 'layout', 'text'], data=samples)}, step=iter_num)

@@ -68,11 +68,19 @@ def machine():
     return f"{cpu}, {os.cpu_count()} cores, torch {torch.__version__}, {torch.get_num_threads()} threads"
 
 
+START = time.time()
+
+
+def progress(what):
+    """One line on stderr per run or layout of a long benchmark: never silent for minutes."""
+    print(f"[{time.time() - START:5.0f} s] {what}", file=sys.stderr, flush=True)
+
+
 def train_run(run_dir, args):
     """train.py with args into a fresh run_dir; returns its metrics.jsonl rows and its parameter count."""
     shutil.rmtree(run_dir, ignore_errors=True)
     cmd = [sys.executable, 'train.py', *args, f'--out_dir={run_dir}', '--wandb_log=False']
-    print(' '.join(cmd), file=sys.stderr)
+    progress(' '.join(cmd[1:]))
     r = subprocess.run(cmd, capture_output=True, text=True)
     if r.returncode:
         raise SystemExit(f"error: train.py failed in {run_dir}: {r.stderr.strip().splitlines()[-1:]}")
@@ -293,6 +301,7 @@ def decode_costs(layouts, sizes, contexts, device, dtype, compile=False, rounds=
     (one step each per round), so a slow moment of the machine hits them all alike."""
     out = {}
     for attn in layouts:
+        progress(f"decode cost vs context: {attn}")
         cfg = GPTConfig(attn=attn, **{**sizes, 'block_size': max(contexts) + rounds + 1})
         model = build(cfg, device, dtype, compile)
         idx = torch.randint(0, cfg.vocab_size, (1, cfg.block_size), device=device)
@@ -346,6 +355,7 @@ def roofline(layouts, sizes, batch, t, device, dtype, compile=True, rounds=15, c
     one each per round, so a slow moment of the machine hits them all alike."""
     runs = {}
     for attn in layouts:
+        progress(f"roofline: {attn}")
         model = build(GPTConfig(attn=attn, **{**sizes, 'block_size': t + 1}), device, dtype)
         idx = torch.randint(0, model.config.vocab_size, (batch, t + 1), device=device)
         cache = model.init_cache(batch)
@@ -443,6 +453,7 @@ def generation_speedup(layouts, sizes, device, dtype, compile=False, prompt=16, 
     rows = ["| layout | batch | tokens/s with cache | tokens/s without | speedup | identical greedy tokens |",
             "|---|---|---|---|---|---|"]
     for attn in layouts:
+        progress(f"generation: {attn}")
         cfg = GPTConfig(attn=attn, **{**sizes, 'block_size': 256})
         model = build(cfg, device, dtype, compile)
         for batch in batches:
@@ -505,6 +516,7 @@ def train_step_times(layouts, sizes, device, dtype, Ts=(256, 1024), batch=4):
     """Prefill (no-grad forward into a cache, batch 1) and training step (forward + backward, batch 4)."""
     rows = ["| layout | T | prefill ms | train fwd+bwd ms |", "|---|---|---|---|"]
     for attn in layouts:
+        progress(f"prefill / train step: {attn}")
         for T in Ts:
             cfg = GPTConfig(attn=attn, **{**sizes, 'block_size': T})
             model = GPT(cfg).to(device=device, dtype=dtype)
@@ -658,7 +670,7 @@ def main(argv=None):
             body += ("\nTraining-step time on the same recipe, models taking turns in one process "
                      "(median of 6 rounds x 20 steps):\n\n| model | ms/step | vs nanoGPT |\n|---|---|---|\n" +
                      "".join(f"| {k} | {v:.2f} | {v / ref:.3f} |\n" for k, v in ms.items()))
-        body += "\n![val loss curves](results/train_val_loss.png)\n"
+        body += f"\n![val loss curves]({os.path.join(args.out, 'train_val_loss.png')})\n"
     elif args.mode == 'convert':
         try:
             fractions = sorted(float(f) for f in args.fractions.split(','))
@@ -673,7 +685,7 @@ def main(argv=None):
                             *(['--', *args.extra] if args.extra else [])])
         body = (f"`{command}` on {machine()}: config/cpu.py (4 layers, 4 heads, 128 wide, block 64), seed "
                 f"1337, val loss = mean of the same 200 val batches.\n\n" +
-                convert_table(runs, args.max_iters, uptrain, args.lr) + "\n![conversion](results/convert.png)\n")
+                convert_table(runs, args.max_iters, uptrain, args.lr) + f"\n![conversion]({os.path.join(args.out, 'convert.png')})\n")
     else:
         try:
             contexts = sorted(int(c) for c in args.contexts.split(','))

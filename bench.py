@@ -12,6 +12,7 @@ Benchmarks that print numbers measured side by side in one run (never timed test
 import argparse
 import importlib.util
 import json
+import math
 import os
 import platform
 import re
@@ -23,6 +24,7 @@ import time
 
 import torch
 
+from configurator import memory_errors_in_one_line
 from model import GPT, GPTConfig, ATTN_LAYOUTS, apply_rope, attend
 
 
@@ -604,6 +606,7 @@ class Parser(argparse.ArgumentParser):
 
 
 def main(argv=None):
+    memory_errors_in_one_line()  # e.g. --t too large for this machine
     p = Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest='mode', required=True)
     modes = {'cache': 'cache elements/bytes per token at the default config, formula vs measured',
@@ -645,7 +648,10 @@ def main(argv=None):
     unknown = [x for x in layouts if x not in ATTN_LAYOUTS]
     if unknown:
         fail(f"unknown layout(s) {unknown}; choose from {', '.join(ATTN_LAYOUTS)}")
-    if args.mode != 'cache':
+    if args.mode != 'cache' and os.path.exists(args.out) and not os.path.isdir(args.out):
+        fail(f"--out {args.out!r}: File exists; give a folder to write the results in")
+
+    def make_out():  # after every argument is checked
         try:
             os.makedirs(args.out, exist_ok=True)
         except OSError as e:
@@ -659,6 +665,7 @@ def main(argv=None):
             fail(f"--max_iters={args.max_iters} must be >= 1")
         if args.nanogpt and not os.path.isfile(args.nanogpt):
             fail(f"--nanogpt {args.nanogpt!r}: no such file")
+        make_out()
         runs = train_runs(layouts, args.out, args.max_iters, args.extra)
         plot_curves(runs, os.path.join(args.out, 'train_val_loss.png'))
         body = (f"`python bench.py train --max_iters={args.max_iters}` on {machine()}: config/<layout>.py + "
@@ -676,9 +683,10 @@ def main(argv=None):
             fractions = sorted(float(f) for f in args.fractions.split(','))
         except ValueError:
             fail(f"--fractions {args.fractions!r}: give comma-separated numbers")
-        if args.max_iters < 1 or fractions[0] < 0 or args.lr <= 0:
-            fail("--max_iters must be >= 1, --fractions >= 0 and --lr > 0")
+        if args.max_iters < 1 or not all(0 <= f <= 1 for f in fractions) or not 0 < args.lr < math.inf:
+            fail("--max_iters must be >= 1, --fractions in [0, 1] and --lr a number > 0")
         uptrain = sorted({round(f * args.max_iters) for f in fractions})
+        make_out()
         runs = convert_runs(args.out, args.max_iters, uptrain, args.lr, args.extra)
         plot_convert(runs, args.max_iters, uptrain, os.path.join(args.out, 'convert.png'))
         command = ' '.join(['python bench.py convert', f'--max_iters={args.max_iters}', f'--lr={args.lr:g}',
@@ -716,6 +724,7 @@ def main(argv=None):
             fail(f"--step_T {args.step_T!r}: give comma-separated integers")
         if min(step_T) < 1:
             fail("--step_T must be >= 1")
+        make_out()
         body = decode_report(layouts, sizes, contexts, args.device, getattr(torch, args.dtype), args.out,
                              args.gen_tokens, step_T, args.compile, args.batch, args.t, not args.eager_only)
     if args.mode != 'cache':

@@ -9,6 +9,7 @@ overrides. Every key must be one of the defaults and every value must have the d
 """
 import ast
 import difflib
+import math
 import os
 import re
 import sys
@@ -25,6 +26,20 @@ def describe(e):
     return f"{type(e).__name__}: {' '.join(str(e).split())[:240] or '(no message)'}"
 
 
+def memory_errors_in_one_line():
+    """Out of memory (a size too large for this machine) is one line on stderr, not a traceback."""
+    default = sys.excepthook
+
+    def hook(kind, e, tb):
+        if issubclass(kind, MemoryError) or re.search(r"out of memory|can't allocate memory", str(e)):
+            print(f"error: out of memory ({describe(e)}); try smaller sizes (batch_size, block_size, the model)",
+                  file=sys.stderr, flush=True)
+            os._exit(2)  # as every other bad input
+        else:
+            default(kind, e, tb)
+    sys.excepthook = hook
+
+
 def check(key, value, config, where):
     """The value, converted to the default's type, or fail naming the key and the expected type."""
     if key not in config:
@@ -37,6 +52,8 @@ def check(key, value, config, where):
     if type(value) is not kind:
         fail(f"{where}: {key}={value!r} should be {kind.__name__} like the default {default!r}, "
              f"not {type(value).__name__}")
+    if kind is float and not math.isfinite(value):
+        fail(f"{where}: {key}={value!r} should be a finite number")
     return value
 
 

@@ -14,7 +14,7 @@ import time
 
 import torch
 
-from configurator import configure, describe, fail
+from configurator import configure, describe, fail, memory_errors_in_one_line
 from data.common import PrepareError, check_meta, tokenizer
 from model import GPT, GPTConfig
 
@@ -35,11 +35,14 @@ dtype = 'bfloat16' if torch.cuda.is_available() and torch.cuda.is_bf16_supported
 compile = False            # torch.compile the model (in place)
 # -----------------------------------------------------------------------------
 config_keys = [k for k, v in globals().items() if not k.startswith('_') and isinstance(v, (int, float, bool, str))]
+memory_errors_in_one_line()
 globals().update(configure({k: globals()[k] for k in config_keys if k != 'config_keys'}, sys.argv[1:], __file__))
 # -----------------------------------------------------------------------------
 
 for name, ok, rule in (('max_new_tokens', max_new_tokens >= 0, '>= 0'), ('top_k', top_k >= 1, '>= 1'),
-                       ('top_p', 0 < top_p <= 1, 'in (0, 1]'), ('temperature', temperature >= 0, '>= 0'),
+                       ('top_p', 0 < top_p <= 1, 'in (0, 1]'),
+                       ('temperature', temperature == 0 or temperature >= 1e-6, '0 (greedy) or >= 1e-6'),
+                       ('seed', 0 <= seed < 2 ** 62, 'in [0, 2**62)'),
                        ('num_samples', num_samples >= 1, '>= 1'),
                        ('max_new_tokens', max_new_tokens >= 1 or not compare, '>= 1 with --compare')):
     if not ok:
@@ -53,14 +56,16 @@ if device.startswith('cuda') and not torch.cuda.is_available():
 
 # ckpt.pt (the best val loss), else last.pt (where an interrupted run stopped); with no out_dir, the newest
 # checkpoint of the out*/ folders here, the ones train.py's configs write
-if not out_dir:
+found = not out_dir
+if found:
     out_dir = os.path.dirname(max(glob.glob('out*/ckpt.pt') + glob.glob('out*/last.pt'), key=os.path.getmtime,
                                   default='out/'))
 ckpt_path = next((p for p in (os.path.join(out_dir, f) for f in ('ckpt.pt', 'last.pt')) if os.path.isfile(p)), None)
 if ckpt_path is None:
-    fail(f"no checkpoint in {out_dir}/ (nor in any ./out*/): train one first (python train.py config/gqa.py "
-         f"config/cpu.py) or pass --out_dir")
-print(f"sampling {ckpt_path}", file=sys.stderr)
+    fail(f"no checkpoint (ckpt.pt or last.pt) in {out_dir}{' nor any ./out*/' if found else ''}: train one first "
+         f"(python train.py config/gqa.py config/cpu.py) or pass --out_dir")
+if found or ckpt_path.endswith('last.pt'):
+    print(f"sampling {ckpt_path}", file=sys.stderr)
 try:
     checkpoint = torch.load(ckpt_path, map_location=device, weights_only=True)
     model = GPT(GPTConfig(**checkpoint['model_args']))

@@ -45,7 +45,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from configurator import configure, describe, fail
+from configurator import configure, describe, fail, memory_errors_in_one_line
 from convert import pool_kv_heads
 from data.common import PrepareError, check_meta, run_prepare, tokenizer
 from model import GPT, GPTConfig, mlp_hidden
@@ -109,6 +109,7 @@ seed = 1337
 # -----------------------------------------------------------------------------
 config_keys = [k for k, v in globals().items() if not k.startswith('_') and isinstance(v, (int, float, bool, str))
                and k not in ('config_keys',)]
+memory_errors_in_one_line()
 given = set()  # the keys a config file or flag set
 config = configure({k: globals()[k] for k in config_keys}, sys.argv[1:], __file__, given)
 globals().update(config)
@@ -133,13 +134,20 @@ for key, ok, rule in (('batch_size', batch_size >= 1, '>= 1'), ('max_iters', max
                       ('gradient_accumulation_steps', gradient_accumulation_steps >= 1, '>= 1'),
                       ('warmup_iters', warmup_iters >= 0, '>= 0'), ('lr_decay_iters', lr_decay_iters >= 1, '>= 1'),
                       ('weight_decay', weight_decay >= 0, '>= 0'), ('grad_clip', grad_clip >= 0, '>= 0 (0 = off)'),
-                      ('beta1', 0 <= beta1 < 1, 'in [0, 1)'), ('beta2', 0 <= beta2 < 1, 'in [0, 1)')):
+                      ('beta1', 0 <= beta1 < 1, 'in [0, 1)'), ('beta2', 0 <= beta2 < 1, 'in [0, 1)'),
+                      ('seed', 0 <= seed < 2 ** 62, 'in [0, 2**62)')):
     if not ok:
         fail(f"{key}={config[key]!r} must be {rule}")
 try:
     GPTConfig(**{k: config[k] for k in model_keys})  # check the model's fields before any work
 except ValueError as e:
     fail(str(e))
+ckpt_path, last_path = os.path.join(out_dir, 'ckpt.pt'), os.path.join(out_dir, 'last.pt')
+previous = [p for p in (ckpt_path, last_path) if os.path.isfile(p)]
+if init_from == 'resume' and not previous:
+    fail(f"init_from='resume' but there is no checkpoint at {ckpt_path}")
+if eval_only and init_from == 'scratch' and previous:
+    fail(f"eval_only=True would evaluate a new random model, not {previous[0]}: add --init_from=resume")
 
 # DDP: one process per device, launched by torchrun
 ddp = int(os.environ.get('RANK', -1)) != -1
@@ -159,6 +167,7 @@ else:
 tokens_per_iter = gradient_accumulation_steps * ddp_world_size * batch_size * block_size
 if master_process:
     print(f"tokens per iteration will be: {tokens_per_iter:,}")
+if master_process and not eval_only:  # (eval_only writes nothing: no lock)
     try:
         os.makedirs(out_dir, exist_ok=True)
         lock = open(os.path.join(out_dir, 'train.lock'), 'a')  # held while this process lives; the OS drops it at death
@@ -203,15 +212,16 @@ try:
         meta = check_meta(json.load(f))
     for split in ('train', 'val'):
         size = os.path.getsize(os.path.join(data_dir, f'{split}.bin'))
-        if size % 2 or size // 2 <= block_size:
-            raise ValueError(f"{split}.bin has {size} bytes: truncated, or too short for block_size={block_size}")
+        if size % 2:
+            raise ValueError(f"{split}.bin has {size} bytes, an odd number: truncated")
+        if size // 2 <= block_size:
+            fail(f"{data_dir}/{split}.bin has {size // 2:,} tokens, not more than block_size={block_size}: lower it")
         top = int(np.memmap(os.path.join(data_dir, f'{split}.bin'), dtype=np.uint16, mode='r').max())
         if top >= meta['vocab_size']:  # an embedding lookup would fail at the first batch that holds it
             raise ValueError(f"{split}.bin holds token id {top}, outside meta.json's vocab_size {meta['vocab_size']}")
 except (OSError, ValueError) as e:
     fail(f"dataset in {data_dir} is missing or broken ({e}); delete it and run again to prepare it anew")
-previous = [p for p in (os.path.join(out_dir, n) for n in ('ckpt.pt', 'last.pt')) if os.path.isfile(p)]
-if previous and init_from != 'resume' and not eval_only and not overwrite and master_process:
+if previous and init_from != 'resume' and not eval_only and not overwrite:
     fail(f"{previous[0]} exists: continue that run with --init_from=resume, replace it with --overwrite=True, "
          f"or pass another --out_dir")
 
@@ -235,8 +245,8 @@ def get_batch(split, generator):
 
 # model. out_dir/ckpt.pt holds the best weights by val loss (what sample.py reads); out_dir/last.pt the state an
 # interrupt stopped at. A resume continues from the later of the two, so an interrupt never replaces the best weights.
-ckpt_path, last_path = os.path.join(out_dir, 'ckpt.pt'), os.path.join(out_dir, 'last.pt')
 iter_num, best_val_loss, wandb_id = 0, 1e9, None
+best_at = None  # the iteration of the weights in ckpt.pt
 model_args = {k: config[k] for k in model_keys}
 asked = GPTConfig(vocab_size=meta['vocab_size'], **model_args)
 
@@ -245,9 +255,10 @@ def load_checkpoint(path):
     """A checkpoint train.py wrote, with its config checked, or one line naming what is wrong with it."""
     try:
         ckpt = torch.load(path, map_location=device, weights_only=True)
-        missing = [k for k in ('model', 'optimizer', 'model_args', 'iter_num', 'best_val_loss') if k not in ckpt]
-        if missing:
-            raise ValueError(f"no {', '.join(missing)} in it: not a checkpoint of train.py")
+        kinds = {'model': dict, 'optimizer': dict, 'model_args': dict, 'iter_num': int, 'best_val_loss': float}
+        wrong = [k for k, kind in kinds.items() if not isinstance(ckpt.get(k), kind)]
+        if wrong:
+            raise ValueError(f"no {', '.join(wrong)} of the right kind in it: not a checkpoint of train.py")
         return ckpt, GPTConfig(**ckpt['model_args'])
     except Exception as e:  # truncated, corrupted, or not one of ours
         fail(f"cannot load checkpoint {path}: {describe(e)}")
@@ -259,11 +270,9 @@ def flags(a, b):
 
 
 if init_from == 'resume':
-    found = [p for p in (ckpt_path, last_path) if os.path.isfile(p)]
-    if not found:
-        fail(f"init_from='resume' but there is no checkpoint at {ckpt_path}")
-    loaded = [(p, *load_checkpoint(p)) for p in found]
+    loaded = [(p, *load_checkpoint(p)) for p in previous]
     resume_path, checkpoint, saved = max(loaded, key=lambda c: c[1]['iter_num'])  # the first of equals: ckpt.pt
+    best_at = next((c['iter_num'] for p, c, _ in loaded if p == ckpt_path), None)
     loaded = None
     iter_num, best_val_loss = checkpoint['iter_num'], checkpoint['best_val_loss']
     wandb_id = checkpoint.get('wandb_id')  # a resumed run continues its W&B run
@@ -290,7 +299,10 @@ elif converting:  # MHA -> GQA/MQA: mean-pool the K/V heads of init_from/ckpt.pt
     model_args = {**{k: getattr(source_cfg, k) for k in model_keys}, 'attn': attn, 'n_kv_head': n_kv_head,
                   'match_mha_params': False, 'dropout': dropout}
     print(f"the shape of {init_from}: {' '.join(flags(GPTConfig(**model_args), GPTConfig()) or ['the defaults'])}")
-gptconf = GPTConfig(vocab_size=meta['vocab_size'], **model_args)
+try:
+    gptconf = GPTConfig(vocab_size=meta['vocab_size'], **model_args)
+except ValueError as e:  # this run's K/V heads for the source's n_head
+    fail(f"converting {init_from}: {e}")
 block_size, tokens_per_iter = gptconf.block_size, tokens_per_iter // block_size * gptconf.block_size  # (converted)
 model = GPT(gptconf)
 if converting:
@@ -331,7 +343,7 @@ def estimate_loss():
     net.eval()
     for split in ('train', 'val'):
         gen = torch.Generator().manual_seed(seed + 1000 * (split == 'val'))  # the same batches every time
-        losses = torch.zeros(eval_iters)
+        losses = []
         for k in range(eval_iters):
             if _interrupted:  # stop within a batch, not at the end of a long evaluation
                 net.train()
@@ -339,8 +351,8 @@ def estimate_loss():
             X, Y = get_batch(split, gen)
             with ctx:
                 _, loss = net(X, Y)
-            losses[k] = loss.item()
-        out[split] = losses.mean().item()
+            losses.append(loss.item())
+        out[split] = sum(losses) / len(losses)
     net.train()
     return out
 
@@ -378,6 +390,9 @@ def get_lr(it):
 def save_checkpoint(path, val_loss=None):
     """Written to a temp file in out_dir, flushed to disk, then renamed: a crash never leaves half a file.
     val_loss: of these weights (None: not evaluated); best_val_loss: of the best weights so far, in ckpt.pt."""
+    if not all(torch.isfinite(p).all() for p in raw_model.parameters()):  # never save a diverged model
+        fail(f"the weights at iteration {iter_num} are not finite: not saved, {kept()} (try a lower learning_rate)")
+    start_run()
     ckpt = {'model': raw_model.state_dict(), 'optimizer': optimizer.state_dict(), 'model_args': asdict(gptconf),
             'iter_num': iter_num, 'val_loss': val_loss, 'best_val_loss': best_val_loss, 'config': config, 'meta': meta,
             'wandb_id': wandb_id}
@@ -403,7 +418,8 @@ def save_checkpoint(path, val_loss=None):
 
 def kept():
     """What a stopped run leaves behind, said truthfully."""
-    return f"the last good checkpoint in {out_dir} is kept" if os.path.isfile(ckpt_path) else "no checkpoint was written"
+    names = [os.path.basename(p) for p in (ckpt_path, last_path) if os.path.isfile(p)]
+    return f"{' and '.join(names)} in {out_dir} kept" if names else "no checkpoint was written"
 
 
 def resume_command():
@@ -417,7 +433,7 @@ def resume_command():
 def rows_before(path, it):
     """The lines of a metrics log with iteration < it; a line cut short by a kill is dropped too."""
     keep = []
-    with open(path) as f:
+    with open(path, errors='replace') as f:  # a line with broken bytes is dropped too
         for line in f:
             try:
                 if json.loads(line)['iter'] < it:
@@ -434,8 +450,11 @@ def log(row):
     """One row to out_dir/metrics.jsonl and, with wandb_log, to Weights & Biases; eval_only writes nothing."""
     if eval_only:
         return
-    with open(metrics_path, 'a') as f:
-        f.write(json.dumps(row) + '\n')
+    if not started:
+        pending.append(json.dumps(row) + '\n')
+    else:
+        with open(metrics_path, 'a') as f:
+            f.write(json.dumps(row) + '\n')
     if wandb_log:  # (cache bytes/token is a constant: in the summary)
         wandb.log({k: v for k, v in row.items() if k != 'cache_bytes_per_token'}, step=row['iter'])
 
@@ -480,7 +499,16 @@ def stop_requested():  # Ctrl-C on any rank: every DDP rank stops at the same it
 if stop_requested():
     print("error: interrupted before training started; nothing was written", file=sys.stderr)
     sys.exit(130)
-if master_process and not eval_only:  # the run starts: only now may files of an earlier run change
+started, pending = False, []  # the rows logged before the run's first write
+
+
+def start_run():
+    """The run's first write (a checkpoint, or the end of its first step): only now may the files of an earlier
+    run change, so a run stopped before it, by an error or an interrupt, leaves them as they were."""
+    global started
+    if started or not master_process or eval_only:
+        return
+    started = True
     if init_from != 'resume':
         for old in previous:  # --overwrite=True (checked at start-up)
             os.remove(old)
@@ -491,11 +519,14 @@ if master_process and not eval_only:  # the run starts: only now may files of an
         with open(tmp, 'w') as f:
             f.writelines(rows_before(metrics_path, iter_num))
         os.replace(tmp, metrics_path)  # one iteration column, never going back
+    with open(metrics_path, 'a') as f:
+        f.writelines(pending)
+
 
 # training loop
 X, Y = get_batch('train', draw(iter_num, 0))  # micro-batch 0 of iteration iter_num
 t0 = time.time()
-local_iter_num, running_mfu = 0, -1.0
+local_iter_num, running_mfu, stop = 0, -1.0, False
 saved_at = iter_num if init_from == 'resume' else None  # the iteration whose state is on disk
 while True:
     lr = get_lr(iter_num) if decay_lr else learning_rate
@@ -526,19 +557,24 @@ while True:
             best_val_loss = min(best_val_loss, losses['val'])
             if wandb_log:
                 run.summary['best_val_loss'] = best_val_loss
-            if local_iter_num > 0:  # weights this run trained (a resume's first eval is the checkpoint itself)
+            if iter_num != best_at and (local_iter_num > 0 or init_from == 'resume'):  # not yet in ckpt.pt
                 save_checkpoint(ckpt_path, losses['val'])
-                saved_at = iter_num
+                saved_at = best_at = iter_num
                 if os.path.isfile(last_path):
                     os.remove(last_path)  # an older state than this checkpoint
     if eval_only:
         break
     stop = stop_requested()  # once per iteration on every rank: a collective under DDP
     if stop or iter_num >= max_iters:  # interrupted, or max_iters steps done and evaluated (saved if best)
-        if master_process and (stop or saved_at != iter_num):  # the state ckpt.pt may not hold goes to last.pt
+        if not stop:
+            start_run()  # a finished run writes its log, even one with nothing to train (max_iters=0)
+        if master_process and local_iter_num > 0 and (stop or saved_at != iter_num):  # a state not on disk
             save_checkpoint(last_path)
-        if master_process and stop:
-            print(f"interrupted before iteration {iter_num}: its state saved to {last_path}"
+        if master_process and stop and not started:
+            print("error: interrupted before the first training step; nothing was written", file=sys.stderr)
+        elif master_process and stop:
+            print(f"interrupted before iteration {iter_num}: its state saved to "
+                  f"{last_path if os.path.isfile(last_path) else ckpt_path}"
                   f"{', the best weights kept in ' + ckpt_path if os.path.isfile(ckpt_path) else ''}; continue with:\n"
                   f"  {resume_command()}")
         break
@@ -561,6 +597,7 @@ while True:
     scaler.step(optimizer)
     scaler.update()
     optimizer.zero_grad(set_to_none=True)
+    start_run()  # a step done: this run now writes its files
 
     t1 = time.time()
     dt, t0 = t1 - t0, t1
@@ -588,3 +625,5 @@ if wandb_log and master_process:
         artifact.add_file(ckpt_path)
         wandb.log_artifact(artifact)
     wandb.finish()
+if stop:
+    sys.exit(130)  # interrupted (its state saved): not a finished run, for `train.py && sample.py`

@@ -1,4 +1,5 @@
 """What both tiny Shakespeare prepare scripts share: find the text, split it 90/10, write the .bin files."""
+import errno
 import json
 import os
 import urllib.request
@@ -47,8 +48,8 @@ def read_text(input_path=None, download_to=None):
 
 def check_meta(meta):
     """meta.json's content as a prepare script writes it, else ValueError naming what is wrong."""
-    if not isinstance(meta, dict) or type(meta.get('vocab_size')) is not int or meta['vocab_size'] < 1:
-        raise ValueError("meta has no vocab_size >= 1")
+    if not isinstance(meta, dict) or type(meta.get('vocab_size')) is not int or not 1 <= meta['vocab_size'] <= 2 ** 16:
+        raise ValueError("meta has no vocab_size in [1, 65536] (token ids are uint16)")
     if meta.get('kind') == 'char':
         if not (isinstance(meta.get('itos'), list) and len(meta['itos']) == meta['vocab_size']
                 and all(isinstance(c, str) for c in meta['itos'])):
@@ -122,7 +123,8 @@ def cli(prepare, description):
 def run_prepare(prepare, out_dir, input_path=None):
     """prepare(out_dir, input_path), with a failed write (out_dir unwritable or a file, disk full) a PrepareError."""
     try:
-        os.makedirs(out_dir, exist_ok=True)  # fails here, before any download, if out_dir cannot be a folder
+        if os.path.exists(out_dir) and not os.path.isdir(out_dir):  # before any download
+            raise FileExistsError(errno.EEXIST, 'File exists')
         prepare(out_dir, input_path)
     except OSError as e:
         raise PrepareError(f"cannot write the dataset to {out_dir!r}: {e.strerror or e}") from None

@@ -106,7 +106,9 @@ def test_bad_arguments_are_one_line(tmp_path, capsys):
                       (['decode', '--contexts=8,x'], "--contexts '8,x': give comma-separated integers"),
                       (['train', '--max_iters=0'], "--max_iters=0 must be >= 1"),
                       (['convert', '--fractions=0,x'], "--fractions '0,x': give comma-separated numbers"),
-                      (['convert', '--lr=0'], "--lr > 0"),
+                      (['convert', '--lr=0'], "--lr a number > 0"),
+                      (['convert', '--lr=nan', f'--out={tmp_path / "new"}'], "--lr a number > 0"),
+                      (['convert', '--fractions=0,inf', f'--out={tmp_path / "new"}'], "--fractions in [0, 1]"),
                       (['decode', '--layouts=mha,flash'], "unknown layout(s) ['flash']"),
                       (['decode', '--step_T=0'], "--step_T must be >= 1"),
                       (['decode', '--device=tpu'], "--device 'tpu': give cpu, cuda or cuda:N"),
@@ -115,4 +117,4 @@ def test_bad_arguments_are_one_line(tmp_path, capsys):
             bench_module.main(args)
         err = capsys.readouterr().err
         assert e.value.code == 2 and msg in err and len(err.strip().splitlines()) == 1, err
-    assert (tmp_path / 'a-file').read_text() == 'results go in a folder'
+    assert (tmp_path / 'a-file').read_text() == 'results go in a folder' and not (tmp_path / 'new').exists()

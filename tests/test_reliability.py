@@ -44,7 +44,8 @@ def broken_data(tmp, char_data, kind):
     elif kind == 'random':  # random bytes as token ids: most are outside the 65-symbol vocabulary
         (d / 'train.bin').write_bytes(random.Random(0).randbytes(4096))
     else:
-        meta = {'{}': {}, '[]': [], 'zero': {**meta, 'vocab_size': 0}, 'small': {**meta, 'vocab_size': 10,
+        meta = {'{}': {}, '[]': [], 'zero': {**meta, 'vocab_size': 0}, 'huge': {'kind': 'tiktoken', 'encoding': 'gpt2',
+                'vocab_size': 10 ** 12}, 'small': {**meta, 'vocab_size': 10,
                 'itos': meta['itos'][:10]}}[kind]
         (d / 'meta.json').write_text(json.dumps(meta))
     return d
@@ -59,6 +60,8 @@ def broken_checkpoint(tmp, trained, kind):
         ckpt['model']['transformer.extra.weight'] = torch.zeros(3)
     elif kind == 'nooptim':
         del ckpt['optimizer']
+    elif kind == 'striter':
+        ckpt['iter_num'] = str(ckpt['iter_num'])
     elif kind == 'nokind':
         del ckpt['meta']['kind']
     elif kind == 'shortitos':
@@ -81,11 +84,18 @@ TRAIN_CASES = [
     (['--device=cuda'], "CUDA is not available here"),
     (['--device=foo'], "device='foo' should be cpu, cuda or cuda:N"),
     (['--dataset=nope', '--data_dir='], "dataset='nope' is unknown"),
-    (['--data_dir=TRUNCATED'], "val.bin has 31 bytes: truncated"),
+    (['--data_dir=TRUNCATED'], "val.bin has 31 bytes, an odd number: truncated"),
     (['--data_dir=NOMETA'], "meta.json"),
-    (['--data_dir=META{}'], "meta has no vocab_size >= 1"),
-    (['--data_dir=META[]'], "meta has no vocab_size >= 1"),
-    (['--data_dir=METAzero'], "meta has no vocab_size >= 1"),
+    (['--data_dir=META{}'], "meta has no vocab_size in [1, 65536]"),
+    (['--data_dir=META[]'], "meta has no vocab_size in [1, 65536]"),
+    (['--data_dir=METAzero'], "meta has no vocab_size in [1, 65536]"),
+    (['--data_dir=METAhuge'], "meta has no vocab_size in [1, 65536] (token ids are uint16)"),
+    (['--block_size=2000000'], "train.bin has 1,003,854 tokens, not more than block_size=2000000: lower it"),
+    (['--seed=99999999999999999999999'], "seed=99999999999999999999999 must be in [0, 2**62)"),
+    (['--learning_rate=1e999'], "learning_rate=inf should be a finite number"),
+    (['--eval_only=True'], "eval_only=True would evaluate a new random model, not"),
+    (['--n_embd=1048576', '--n_head=1', '--overwrite=True'], "error: out of memory ("),
+    (['--init_from=resume', '--out_dir=STRITER'], "no iter_num of the right kind in it"),
     (['--data_dir=RANDOM'], "train.bin holds token id"),  # an IndexError at the first eval before
     (['--data_dir=SMALLVOCAB'], "train.bin holds token id 64, outside meta.json's vocab_size 10"),
     (['--data_dir=AFILE'], "cannot write the dataset to"),
@@ -94,7 +104,7 @@ TRAIN_CASES = [
     (['--overwrite=True', '--wandb_log=True', '--wandb_mode=bogus'], "wandb_mode='bogus' should be online, offline"),
     (['--init_from=resume', '--out_dir=MISSINGKEY'], "Missing key(s) in state_dict"),
     (['--init_from=resume', '--out_dir=EXTRAKEY'], 'Unexpected key(s) in state_dict: "transformer.extra.weight"'),
-    (['--init_from=resume', '--out_dir=NOOPTIM'], "no optimizer in it: not a checkpoint of train.py"),
+    (['--init_from=resume', '--out_dir=NOOPTIM'], "no optimizer of the right kind in it: not a checkpoint of train.py"),
     (['--init_from=resume', '--attn=mla'], "is another model (--attn=mha in it); add those settings"),
     (['--init_from=resume', '--out_dir=CORRUPT'], "cannot load checkpoint"),
     (['--init_from=resume', '--learning_rate=1e12', '--grad_clip=0', '--max_iters=200', '--eval_interval=1000'],
@@ -121,9 +131,10 @@ def test_train_bad_input(tmp_path, char_data, trained, args, message):
              'NOMETA': lambda: broken_data(tmp_path, char_data, 'nometa'), 'CORRUPT': lambda: corrupt,
              'EMPTY': lambda: empty, 'RANDOM': lambda: broken_data(tmp_path, char_data, 'random'),
              'SMALLVOCAB': lambda: broken_data(tmp_path, char_data, 'small'), 'AFILE': lambda: tmp_path / 'a-file',
-             **{f'META{k}': lambda k=k: broken_data(tmp_path, char_data, k) for k in ('{}', '[]', 'zero')},
+             **{f'META{k}': lambda k=k: broken_data(tmp_path, char_data, k) for k in ('{}', '[]', 'zero', 'huge')},
              **{f'{k.upper()}KEY': lambda k=k: broken_checkpoint(tmp_path, trained, k) for k in ('missing', 'extra')},
-             'NOOPTIM': lambda: broken_checkpoint(tmp_path, trained, 'nooptim')}
+             'NOOPTIM': lambda: broken_checkpoint(tmp_path, trained, 'nooptim'),
+             'STRITER': lambda: broken_checkpoint(tmp_path, trained, 'striter')}
     argv = []
     for a in args:
         key, _, value = a.partition('=')
@@ -184,6 +195,8 @@ SAMPLE_CASES = [  # (prompt and sampling values: tests/test_sample.py)
     (['--out_dir=SHORTITOS'], "meta's itos should list vocab_size=65 characters"),
     (['--start=FILE:LATIN1'], "is not UTF-8 text (byte 10)"),
     (['--device=foo'], "device='foo' should be cpu, cuda or cuda:N"),
+    (['--seed=99999999999999999999999'], "seed=99999999999999999999999 must be in [0, 2**62)"),
+    (['--temperature=1e-300'], "temperature=1e-300 must be 0 (greedy) or >= 1e-6"),
 ]
 
 
@@ -252,14 +265,15 @@ def test_sigint_at_start_up_is_one_line(tmp_path, char_data):
         time.sleep(delay)
         p.send_signal(signal.SIGINT)
         out, err = p.communicate(timeout=60)
-        assert 'Traceback' not in err, err
-        if p.returncode == 130:
+        assert 'Traceback' not in err and p.returncode == 130, err
+        if 'nothing was written' in err:  # before the loop, or in the first evaluation
             before_loop += 1
-            assert err.strip().splitlines() == ["error: interrupted before training started; nothing was written"]
+            assert re.fullmatch(r"error: interrupted before (training started|the first training step); nothing was "
+                                r"written", err.strip()), err
             assert sorted(os.listdir(out_dir)) == ['metrics.jsonl', 'train.lock']
             assert (out_dir / 'metrics.jsonl').read_text() == '{"iter": 0, "val/loss": 1.5}\n'
         else:
-            assert p.returncode == 0 and 'its state saved to' in out, (p.returncode, err)
+            assert 'its state saved to' in out and err == '', (out, err)
     assert before_loop >= 1
 
 
@@ -293,7 +307,8 @@ def test_stress_random_sigkill_and_sigterm(tmp_path, char_data):
             assert p.returncode == -signal.SIGKILL, err  # it was still running: killed, not crashed
             mid_save += bool(list(tmp_path.glob('*.pt.tmp*')))
         else:
-            assert p.returncode == 0 and 'its state saved to' in out and 'Traceback' not in err, err
+            assert p.returncode == 130 and 'Traceback' not in err, err
+            assert 'its state saved to' in out or 'nothing was written' in err, (out, err)
         states = [torch.load(f, weights_only=True)['iter_num'] for f in tmp_path.glob('*.pt')]  # every file loads
         resumed_at.append(max(states))
     assert mid_save >= 1 and kinds.count(signal.SIGTERM) >= 5 and kinds.count(signal.SIGKILL) >= 5
@@ -341,7 +356,7 @@ def test_a_failed_save_is_one_line_and_leaves_the_old_checkpoint(tmp_path, train
                         '--init_from=resume', '--max_iters=8', '--eval_interval=1', '--always_save_checkpoint=True'],
                        cwd=ROOT, capture_output=True, text=True, timeout=120, preexec_fn=limit)
     assert r.returncode == 2 and f"cannot write {out / 'ckpt.pt'}: " in r.stderr, r.stderr
-    assert 'the last good checkpoint' in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert f'ckpt.pt in {out} kept' in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
     assert digest(out / 'ckpt.pt') == before and not list(out.glob('ckpt.pt.tmp*'))
 
 
@@ -380,3 +395,34 @@ def test_overwrite_replaces_a_finished_run(tmp_path, trained, char_data):
     ckpt = torch.load(tmp_path / 'run' / 'ckpt.pt', weights_only=True)
     assert ckpt['iter_num'] == 2 and ckpt['model_args']['n_layer'] == 1
     assert [row['iter'] for row in metrics(tmp_path / 'run') if 'val/loss' in row] == [0, 2]
+
+
+def test_a_resume_from_last_pt_saves_its_first_evaluation(tmp_path, trained, char_data):
+    """An interrupt just before an evaluation leaves last.pt unevaluated: the resumed run's first evaluation is of
+    weights ckpt.pt does not hold, so it is saved when it is the best (here always_save_checkpoint)."""
+    shutil.copytree(trained, tmp_path / 'run')
+    state = torch.load(trained / 'ckpt.pt', weights_only=True)
+    torch.save({**state, 'iter_num': 6, 'val_loss': None}, tmp_path / 'run' / 'last.pt')  # as an interrupt at 6 leaves it
+    r = train(tmp_path / 'run', char_data, '--init_from=resume', '--max_iters=6', '--always_save_checkpoint=True')
+    assert f"resuming from {tmp_path / 'run' / 'last.pt'} at iteration 6" in r.stdout
+    assert torch.load(tmp_path / 'run' / 'ckpt.pt', weights_only=True)['iter_num'] == 6, r.stdout
+    assert not (tmp_path / 'run' / 'last.pt').exists()  # older than ckpt.pt now
+
+
+def test_non_finite_weights_are_never_saved_by_an_interrupt(tmp_path, char_data):
+    """A step that leaves a weight infinite, then SIGTERM (patched in: AdamW.step): one line, nothing saved."""
+    hook = ("import os, runpy, signal, sys, torch\n"
+            "step = torch.optim.AdamW.step\n"
+            "def broken(self, *a, **k):\n"
+            "    out = step(self, *a, **k)\n"
+            "    self.param_groups[0]['params'][0].data.fill_(float('inf'))\n"
+            "    os.kill(os.getpid(), signal.SIGTERM)\n"
+            "    return out\n"
+            "torch.optim.AdamW.step = broken\n"
+            "sys.argv = ['train.py'] + sys.argv[1:]\n"
+            "runpy.run_path('train.py', run_name='__main__')\n")
+    r = subprocess.run([sys.executable, '-c', hook, *TINY, f'--out_dir={tmp_path}', f'--data_dir={char_data}',
+                        '--max_iters=20'], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and r.stderr.strip() == ("error: the weights at iteration 1 are not finite: not saved, no "
+                                                      "checkpoint was written (try a lower learning_rate)"), r.stderr
+    assert not list(tmp_path.glob('*.pt'))

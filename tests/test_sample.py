@@ -107,7 +107,7 @@ def test_top_p_tiny_is_greedy_and_top_k_one_is_greedy(ckpt_dir):
     (['--top_k=0'], "top_k=0 must be >= 1"),
     (['--top_p=0'], "top_p=0.0 must be in (0, 1]"),
     (['--top_p=1.5'], "top_p=1.5 must be in (0, 1]"),
-    (['--temperature=-1'], "temperature=-1.0 must be >= 0"),
+    (['--temperature=-1'], "temperature=-1.0 must be 0 (greedy) or >= 1e-6"),
     (['--start=FILE:/no/such'], "cannot read the prompt file '/no/such'"),
     (['--device=tpu'], "device='tpu' should be cpu, cuda or cuda:N"),
 ])
@@ -120,7 +120,7 @@ def test_bad_input_is_one_line(ckpt_dir, args, message):
 
 def test_missing_checkpoint(tmp_path):
     r = run('sample.py', f'--out_dir={tmp_path}')
-    assert r.returncode == 2 and 'no checkpoint at' in r.stderr and 'Traceback' not in r.stderr
+    assert r.returncode == 2 and 'no checkpoint (ckpt.pt or last.pt) in' in r.stderr and 'Traceback' not in r.stderr
 
 
 PLUGIN = '''
@@ -170,4 +170,4 @@ def test_sample_as_typed_finds_the_newest_checkpoint(tmp_path, ckpt_dir):
     assert cwd('--max_new_tokens=3').stderr.strip() == f"sampling {os.path.join('out-newer', 'last.pt')}"
     shutil.rmtree(tmp_path / 'out-older'), shutil.rmtree(tmp_path / 'out-newer')
     r = cwd()
-    assert r.returncode == 2 and r.stderr.startswith('error: no checkpoint in out/ (nor in any ./out*/)')
+    assert r.returncode == 2 and r.stderr.startswith('error: no checkpoint (ckpt.pt or last.pt) in out nor any ./out*/')

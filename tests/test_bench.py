@@ -73,6 +73,7 @@ def test_train_report_on_a_tiny_model(tmp_path, char_data):
     assert os.path.isfile(tmp_path / 'train' / 'mha' / 'metrics.jsonl')
 
 
+@pytest.mark.slow
 def test_convert_experiment_on_a_tiny_model(tmp_path, char_data):
     out = bench('convert', '--max_iters=4', '--fractions=0,0.5', f'--out={tmp_path}', '--',
                 '--n_layer=1', '--n_embd=32', '--eval_iters=2', f'--data_dir={char_data}')

@@ -247,6 +247,7 @@ def test_an_interrupt_keeps_the_best_weights_and_resumes_where_it_stopped(tmp_pa
     assert ('last.pt' in end) == (digest(tmp_path / 'ckpt.pt') == before)
 
 
+@pytest.mark.slow
 def test_sigint_at_start_up_is_one_line(tmp_path, char_data):
     """Ctrl-C at moments from start-up into the first iterations: one line, never a traceback; before the
     loop exit 130 and nothing written (an earlier run's log is kept), in it the usual save."""

@@ -164,6 +164,7 @@ def test_ddp_two_cpu_processes(tmp_path, char_data):
     assert ckpt['iter_num'] == 6
 
 
+@pytest.mark.slow
 def test_ddp_resume_is_bit_exact(tmp_path, char_data):
     """2 CPU processes: 8 iterations in one go == 4, stop, resume, 4 more (weights and logged losses)."""
     ddp = (sys.executable, '-m', 'torch.distributed.run', '--standalone', '--nproc_per_node=2')

@@ -75,22 +75,22 @@ gradient_accumulation_steps = 1  # in total, over all DDP processes
 batch_size = 64                 # sequences per micro-batch
 block_size = 256                # context length
 # model (GPTConfig's fields)
-n_layer = 6
-n_head = 6
-n_embd = 384
+n_layer = 6                     # transformer blocks
+n_head = 6                      # query heads
+n_embd = 384                    # model width
 dropout = 0.2
-bias = False
+bias = False                    # biases in Linears and LayerNorms (GPT-2 had them)
 attn = 'mha'                    # mha, gqa, mqa, mla or linear
 n_kv_head = 0                   # K/V heads of mha/gqa/mqa; 0 = n_head / smallest divisor > 1 / 1
 pos_emb = 'rope'                # rope, or learned absolute positions (nanoGPT's)
-rope_base = 10000.0
+rope_base = 10000.0             # RoPE theta base
 kv_lora_rank = 0                # MLA d_c; 0 = 4 * head_dim (DeepSeek-V2's ratio)
 rope_head_dim = 0               # MLA d_R; 0 = head_dim / 2
 q_lora_rank = 0                 # MLA query compression; 0 = off
 chunk_size = 64                 # linear attention: chunk of the chunkwise training form
 match_mha_params = False        # widen/narrow the MLP to MHA's parameter count
 # AdamW and the learning-rate schedule (linear warmup, cosine decay to min_lr)
-learning_rate = 1e-3
+learning_rate = 1e-3            # peak learning rate
 max_iters = 5000                # training iterations in all (a resume continues up to it)
 weight_decay = 1e-1
 beta1 = 0.9
@@ -105,7 +105,7 @@ device = 'cuda' if torch.cuda.is_available() else 'cpu'
 dtype = 'bfloat16' if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else 'float16' if torch.cuda.is_available() else 'float32'
 compile = False                 # torch.compile the model
 backend = ''                    # '' = nccl on CUDA, gloo on CPU
-seed = 1337
+seed = 1337                     # every random draw of training is a function of (seed, rank, iteration)
 # -----------------------------------------------------------------------------
 config_keys = [k for k, v in globals().items() if not k.startswith('_') and isinstance(v, (int, float, bool, str))
                and k not in ('config_keys',)]
@@ -165,8 +165,6 @@ if ddp:
 else:
     ddp_rank, ddp_world_size, master_process = 0, 1, True
 tokens_per_iter = gradient_accumulation_steps * ddp_world_size * batch_size * block_size
-if master_process:
-    print(f"tokens per iteration will be: {tokens_per_iter:,}")
 if master_process and not eval_only:  # (eval_only writes nothing: no lock)
     try:
         os.makedirs(out_dir, exist_ok=True)
@@ -298,7 +296,8 @@ elif converting:  # MHA -> GQA/MQA: mean-pool the K/V heads of init_from/ckpt.pt
         fail(f"converting {init_from} keeps its shape: drop {', '.join(conflicts)}")
     model_args = {**{k: getattr(source_cfg, k) for k in model_keys}, 'attn': attn, 'n_kv_head': n_kv_head,
                   'match_mha_params': False, 'dropout': dropout}
-    print(f"the shape of {init_from}: {' '.join(flags(GPTConfig(**model_args), GPTConfig()) or ['the defaults'])}")
+    print(f"the shape of {init_from}: " + ' '.join(f"{k}={getattr(source_cfg, k)}" for k in
+                                                   ('block_size', 'n_layer', 'n_head', 'n_embd', 'pos_emb', 'bias')))
 try:
     gptconf = GPTConfig(vocab_size=meta['vocab_size'], **model_args)
 except ValueError as e:  # this run's K/V heads for the source's n_head
@@ -331,6 +330,7 @@ if ddp:
     model = DDP(model, device_ids=[ddp_local_rank] if device_type == 'cuda' else None, forward_sync_buffers=False)
 cache_bytes_per_token = gptconf.cache_bytes(block_size, ptdtype) / block_size  # at block_size, inference dtype
 if master_process:
+    print(f"tokens per iteration will be: {tokens_per_iter:,}")
     print(f"{gptconf.attn}: {raw_model.get_num_params() / 1e6:.2f}M parameters, "
           f"KV cache {cache_bytes_per_token:,.0f} bytes/token at block_size {block_size} ({dtype})")
 

@@ -102,7 +102,8 @@ def test_a_cpu_preset_conversion_takes_the_source_shape_and_resumes_as_printed(t
     assert bad.returncode == 2 and bad.stderr.strip() == \
         f"error: converting {tmp_path / 'mha'} keeps its shape: drop --n_layer=3 (the checkpoint has 4)"
     out, _ = interrupted(tmp_path / 'gqa', char_data, f'--init_from={tmp_path / "mha"}', '--eval_interval=1000', base=quick)
-    assert re.search(r"^the shape of .*mha: .*--block_size=64 .*--n_layer=4 --n_head=4 --n_embd=128", out, re.M), out
+    assert re.search(r"^the shape of .*mha: block_size=64 n_layer=4 n_head=4 n_embd=128 ", out, re.M), out
+    assert "tokens per iteration will be: 256\n" in out  # 4 x 64: the checkpoint's block_size
     command = shlex.split(re.search(r"continue with:\n  (.*)", out).group(1))
     assert {'--block_size=64', '--n_layer=4', '--match_mha_params=False', '--init_from=resume'} <= set(command)
     it = torch.load(tmp_path / 'gqa' / 'last.pt', weights_only=True)['iter_num']

@@ -55,13 +55,13 @@ def test_first_success_as_typed_in_a_fresh_copy(tmp_path):
     for typed, extra in (('python train.py config/gqa.py config/cpu.py', short), ('python sample.py --use_cache', ''),
                          ('python sample.py --compare', ''), ('python train.py --help', ''),
                          ('python train.py config/mha.py config/cpu.py', short),
-                         ('python train.py config/gqa.py --init_from=out-shakespeare-char-mha', ''),
-                         ('python train.py config/mha.py --batch_size=32 --wandb_log=True', short + ' --out_dir=out-wb'),
+                         ('python train.py config/gqa.py config/cpu.py --init_from', ''),
+                         ('python train.py config/mha.py --batch_size=32 --wandb_log=True --out_dir=out-wandb', short),
                          ('python -m wandb sync --dry-run', '')):
         command = typed
         if 'init_from' in typed:  # the README's conversion line, as written there
-            command = re.search(r"(python train.py config/gqa.py --init_from=\S+ \\\s*--out_dir=\S+ --max_iters=\d+)",
-                                readme).group(1).replace('\\\n', ' ') + short
+            command = re.search(r"(python train.py config/gqa.py config/cpu.py \\\s*--init_from=\S+ --out_dir=\S+ "
+                                r"--max_iters=\d+ --lr_decay_iters=\d+)", readme).group(1).replace('\\\n', ' ') + short
         else:
             assert typed in readme or typed.startswith('python -m wandb'), typed
         r = subprocess.run(command.replace('python', sys.executable, 1) + extra, shell=True, cwd=tmp_path, env=env,

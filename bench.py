@@ -20,7 +20,9 @@ import shutil
 import statistics
 import subprocess
 import sys
+import threading
 import time
+from contextlib import contextmanager
 
 import torch
 
@@ -71,6 +73,31 @@ def machine():
 
 
 START = time.time()
+
+
+@contextmanager
+def without_profiler_lines():
+    """torch.profiler (inductor times GPU kernels with it) prints 'USDT: ... profiler_start/stop' straight to file
+    descriptor 2: those lines are dropped, every other line of stderr passes."""
+    sys.stderr.flush()
+    stderr, (read, write) = os.dup(2), os.pipe()
+    os.dup2(write, 2)
+    os.close(write)
+
+    def pump():
+        with os.fdopen(read, 'rb') as f:
+            for line in f:
+                if not line.startswith(b'USDT:'):
+                    os.write(stderr, line)
+    thread = threading.Thread(target=pump)
+    thread.start()
+    try:
+        yield
+    finally:
+        sys.stderr.flush()
+        os.dup2(stderr, 2)  # closes the pipe: the pump reads to its end
+        thread.join()
+        os.close(stderr)
 
 
 def progress(what):
@@ -739,4 +766,5 @@ def main(argv=None):
 
 
 if __name__ == '__main__':
-    main()
+    with without_profiler_lines():
+        main()

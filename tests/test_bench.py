@@ -119,3 +119,20 @@ def test_bad_arguments_are_one_line(tmp_path, capsys):
         err = capsys.readouterr().err
         assert e.value.code == 2 and msg in err and len(err.strip().splitlines()) == 1, err
     assert (tmp_path / 'a-file').read_text() == 'results go in a folder' and not (tmp_path / 'new').exists()
+
+
+def test_profiler_lines_are_dropped_from_stderr():
+    """torch.profiler's 'USDT: ... profiler_start/stop' lines (written to fd 2 by C++: on a GPU inductor times
+    kernels with the profiler) are dropped; other stderr lines, Python's and C's, pass in order."""
+    code = ("import os, sys, torch, bench\n"
+            "with bench.without_profiler_lines():\n"
+            "    print('before', file=sys.stderr)\n"
+            "    with torch.profiler.profile():\n"
+            "        torch.ones(3) @ torch.ones(3)\n"
+            "    os.write(2, b'from C\\n')\n"
+            "print('after', file=sys.stderr)\n")
+    r = subprocess.run([sys.executable, '-c', code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and r.stderr == 'before\nfrom C\nafter\n', r.stderr
+    plain = subprocess.run([sys.executable, '-c', code.replace('bench.without_profiler_lines()', 'open(os.devnull)')],
+                           cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert 'USDT:' in plain.stderr  # (the lines this removes)

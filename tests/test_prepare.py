@@ -92,3 +92,17 @@ def test_the_tests_find_the_text_where_a_user_has_it(tmp_path, monkeypatch):
     assert find_text(str(root)) == str(root / 'data' / 'shakespeare_char' / 'input.txt')
     monkeypatch.setenv(common.ENV, str(shared))
     assert find_text(str(root)) == str(shared)
+
+
+def test_your_own_text_in_two_commands(tmp_path):
+    """The README's two commands: prepare my.txt at the character level, then train on it."""
+    from test_train import TINY
+    text = open(SHAKESPEARE, encoding='utf-8').read()[:50_000] + ' café ☃\n' * 50
+    (tmp_path / 'my.txt').write_text(text, encoding='utf-8')
+    r = subprocess.run([sys.executable, 'data/shakespeare_char/prepare.py', '--input', str(tmp_path / 'my.txt'),
+                        '--out_dir', str(tmp_path / 'mine')], cwd=ROOT, capture_output=True, text=True)
+    assert r.returncode == 0 and f'vocab {len(set(text))}' in r.stdout, r.stdout + r.stderr  # its own characters
+    r = subprocess.run([sys.executable, 'train.py', *TINY, f'--data_dir={tmp_path / "mine"}',
+                        f'--out_dir={tmp_path / "out-mine"}', '--max_iters=2'], cwd=ROOT, capture_output=True, text=True)
+    assert r.returncode == 0 and 'step 2:' in r.stdout, r.stderr
+    assert json.load(open(tmp_path / 'mine' / 'meta.json'))['itos'][-1] == '☃'

@@ -115,28 +115,32 @@ def train_run(run_dir, args):
         raise SystemExit(f"error: train.py failed in {run_dir}: {r.stderr.strip().splitlines()[-1:]}")
     with open(os.path.join(run_dir, 'metrics.jsonl')) as f:
         rows = [json.loads(line) for line in f]
-    return dict(rows=rows, params=re.search(r"([\d.]+)M parameters", r.stdout).group(1))
+    return dict(rows=rows, params=re.search(r"([\d.]+)M parameters", r.stdout).group(1),
+                tokens=int(re.search(r"tokens per iteration will be: ([\d,]+)", r.stdout).group(1).replace(',', '')))
 
 
-def train_runs(layouts, out, max_iters, extra=()):
-    """Run train.py on the CPU preset for each layout (same seed, same batches); return its metrics."""
+def train_runs(layouts, out, max_iters, extra=(), device='cpu', eval_interval=100):
+    """Run train.py for each layout (same seed, same batches): on CPU nanoGPT's CPU preset, on CUDA the full
+    baby-GPT recipe (config/<layout>.py alone, bf16); return its metrics."""
+    recipe = ['config/cpu.py'] if device == 'cpu' else [f'--device={device}']
     return {attn: train_run(os.path.join(out, 'train', attn),
-                            [f'config/{attn}.py', 'config/cpu.py', f'--max_iters={max_iters}',
-                             f'--lr_decay_iters={max_iters}', '--eval_interval=100', '--log_interval=1', *extra])
+                            [f'config/{attn}.py', *recipe, f'--max_iters={max_iters}', f'--lr_decay_iters={max_iters}',
+                             f'--eval_interval={eval_interval}', '--log_interval=1', *extra])
             for attn in layouts}
 
 
-def train_table(runs):
-    lines = ["| layout | params | cache bytes/token (fp32, T=64) | train loss | val loss | best val | "
+def train_table(runs, eval_interval=100):
+    lines = ["| layout | params | cache bytes/token | train loss | val loss | best val (iteration) | "
              "median ms/iter | tokens/s |", "|---|---|---|---|---|---|---|---|"]
     for attn, run in runs.items():
         evals = [r for r in run['rows'] if 'val/loss' in r]
-        # every step's time, except those that include an evaluation (iterations 0, 100, 200, ...)
-        steps = [r['ms_per_iter'] for r in run['rows'] if 'ms_per_iter' in r and r['iter'] % 100]
+        best = min(evals, key=lambda r: r['val/loss'])
+        # every step's time, except those that include an evaluation (iterations 0, eval_interval, ...)
+        steps = [r['ms_per_iter'] for r in run['rows'] if 'ms_per_iter' in r and r['iter'] % eval_interval]
         ms = statistics.median(steps)
         lines.append(f"| {attn} | {run['params']}M | {evals[-1]['cache_bytes_per_token']:,.0f} | "
                      f"{evals[-1]['train/loss']:.4f} | {evals[-1]['val/loss']:.4f} | "
-                     f"{min(r['val/loss'] for r in evals):.4f} | {ms:.1f} | {12 * 64 / ms * 1000:,.0f} |")
+                     f"{best['val/loss']:.4f} ({best['iter']}) | {ms:.1f} | {run['tokens'] / ms * 1000:,.0f} |")
     return "\n".join(lines) + "\n"
 
 
@@ -648,7 +652,8 @@ def main(argv=None):
         if m != 'cache':
             q.add_argument('--out', default='results', help='folder for runs, tables and plots (default: results)')
     t = parsers['train']
-    t.add_argument('--max_iters', type=int, default=2000)
+    t.add_argument('--max_iters', type=int, help='default: 2000 on cpu (the CPU preset), 5000 on cuda (baby GPT)')
+    t.add_argument('--device', default='cpu', help='cpu: the CPU preset; cuda[:N]: the full baby-GPT recipe')
     t.add_argument('--nanogpt', help="path to nanoGPT's model.py: also time its training step next to ours")
     t.add_argument('extra', nargs='*', help='more --key=value for train.py (after --)')
     c = parsers['convert']
@@ -688,16 +693,21 @@ def main(argv=None):
     if args.mode == 'cache':
         body = cache_table(layouts)
     elif args.mode == 'train':
+        args.max_iters = (2000 if args.device == 'cpu' else 5000) if args.max_iters is None else args.max_iters
         if args.max_iters < 1:
             fail(f"--max_iters={args.max_iters} must be >= 1")
+        if not re.fullmatch(r'cpu|cuda(:\d+)?', args.device) or (args.device != 'cpu' and not torch.cuda.is_available()):
+            fail(f"--device {args.device!r}: give cpu, or cuda[:N] where CUDA is available")
         if args.nanogpt and not os.path.isfile(args.nanogpt):
             fail(f"--nanogpt {args.nanogpt!r}: no such file")
         make_out()
-        runs = train_runs(layouts, args.out, args.max_iters, args.extra)
+        every = 100 if args.device == 'cpu' else 250
+        runs = train_runs(layouts, args.out, args.max_iters, args.extra, args.device, every)
         plot_curves(runs, os.path.join(args.out, 'train_val_loss.png'))
-        body = (f"`python bench.py train --max_iters={args.max_iters}` on {machine()}: config/<layout>.py + "
-                f"config/cpu.py, seed 1337, the same batches for every layout; loss = mean of 20 eval batches "
-                f"at the last iteration.\n\n" + train_table(runs))
+        recipe = 'config/<layout>.py + config/cpu.py' if args.device == 'cpu' else 'config/<layout>.py (baby GPT, bf16)'
+        body = (f"`python bench.py train --max_iters={args.max_iters} --device={args.device}` on {machine()}: {recipe}, "
+                f"seed 1337, the same batches for every layout, evaluated every {every} iterations; losses at the last "
+                f"one; cache bytes/token at block_size in the run's dtype.\n\n" + train_table(runs, every))
         if args.nanogpt:
             ms = step_time_vs_nanogpt(args.nanogpt)
             ref = ms['nanoGPT']

@@ -68,8 +68,14 @@ def test_train_report_on_a_tiny_model(tmp_path, char_data):
     out = bench('train', '--layouts=mha,linear', '--max_iters=4', f'--out={tmp_path}', '--',
                 '--n_layer=1', '--n_embd=32', '--eval_iters=2', f'--data_dir={char_data}')
     assert (tmp_path / 'train_val_loss.png').stat().st_size > 10_000
-    rows = re.findall(r"\| (mha|linear) \| [\d.]+M \| [\d,]+ \| [\d.]+ \| [\d.]+ \| [\d.]+ \| [\d.]+ \| [\d,]+ \|", out)
-    assert rows == ['mha', 'linear']
+    rows = re.findall(r"\| (mha|linear) \| [\d.]+M \| [\d,]+ \| [\d.]+ \| ([\d.]+) \| ([\d.]+) \((\d+)\) \| [\d.]+ \| "
+                      r"[\d,]+ \|", out)
+    assert [r[0] for r in rows] == ['mha', 'linear']
+    for attn, final, best, at in rows:  # final val, best val and its iteration, from the run's own log
+        evals = [json.loads(line) for line in open(tmp_path / 'train' / attn / 'metrics.jsonl') if 'val/loss' in line]
+        low = min(evals, key=lambda r: r['val/loss'])
+        assert (float(final), float(best), int(at)) == (round(evals[-1]['val/loss'], 4), round(low['val/loss'], 4),
+                                                       low['iter'])
     assert os.path.isfile(tmp_path / 'train' / 'mha' / 'metrics.jsonl')
 
 
@@ -106,6 +112,7 @@ def test_bad_arguments_are_one_line(tmp_path, capsys):
                       (['train', f'--out={tmp_path / "a-file" / "sub"}'], "Not a directory; give a folder"),
                       (['decode', '--contexts=8,x'], "--contexts '8,x': give comma-separated integers"),
                       (['train', '--max_iters=0'], "--max_iters=0 must be >= 1"),
+                      (['train', '--device=cuda'], "--device 'cuda': give cpu, or cuda[:N] where CUDA is available"),
                       (['convert', '--fractions=0,x'], "--fractions '0,x': give comma-separated numbers"),
                       (['convert', '--lr=0'], "--lr a number > 0"),
                       (['convert', '--lr=nan', f'--out={tmp_path / "new"}'], "--lr a number > 0"),

@@ -527,7 +527,6 @@ def start_run():
 X, Y = get_batch('train', draw(iter_num, 0))  # micro-batch 0 of iteration iter_num
 t0 = time.time()
 local_iter_num, running_mfu, stop = 0, -1.0, False
-saved_at = iter_num if init_from == 'resume' else None  # the iteration whose state is on disk
 while True:
     lr = get_lr(iter_num) if decay_lr else learning_rate
     for param_group in optimizer.param_groups:
@@ -559,7 +558,7 @@ while True:
                 run.summary['best_val_loss'] = best_val_loss
             if iter_num != best_at and (local_iter_num > 0 or init_from == 'resume'):  # not yet in ckpt.pt
                 save_checkpoint(ckpt_path, losses['val'])
-                saved_at = best_at = iter_num
+                best_at = iter_num
                 if os.path.isfile(last_path):
                     os.remove(last_path)  # an older state than this checkpoint
     if eval_only:
@@ -568,7 +567,7 @@ while True:
     if stop or iter_num >= max_iters:  # interrupted, or max_iters steps done and evaluated (saved if best)
         if not stop:
             start_run()  # a finished run writes its log, even one with nothing to train (max_iters=0)
-        if master_process and local_iter_num > 0 and (stop or saved_at != iter_num):  # a state not on disk
+        if master_process and local_iter_num > 0 and (stop or best_at != iter_num):  # a state not in ckpt.pt
             save_checkpoint(last_path)
         if master_process and stop and not started:
             print("error: interrupted before the first training step; nothing was written", file=sys.stderr)

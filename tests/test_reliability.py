@@ -244,7 +244,11 @@ def test_an_interrupt_keeps_the_best_weights_and_resumes_where_it_stopped(tmp_pa
     assert re.search(rf"^iter {it}: loss", r.stdout, re.M) and not re.search(rf"^iter {it - 1}:", r.stdout, re.M)
     end = {f.name: torch.load(f, weights_only=True) for f in tmp_path.glob('*.pt')}  # the end state is kept: in
     assert max(c['iter_num'] for c in end.values()) == it + 1  # ckpt.pt if its val loss is the best, else last.pt
-    assert ('last.pt' in end) == (digest(tmp_path / 'ckpt.pt') == before)
+    ckpt = end['ckpt.pt']  # (an eval at iteration `it` itself may have saved a new best before the end state)
+    assert ('last.pt' in end) == (ckpt['iter_num'] != it + 1)
+    assert (digest(tmp_path / 'ckpt.pt') != before) == (ckpt['iter_num'] > best['iter_num'])
+    evals = {row['iter']: row['val/loss'] for row in metrics(tmp_path) if 'val/loss' in row}
+    assert ckpt['val_loss'] == evals[ckpt['iter_num']] == min(evals.values())
 
 
 @pytest.mark.slow

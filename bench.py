@@ -42,7 +42,7 @@ def cache_table(layouts=ATTN_LAYOUTS, T=None, **overrides):
         cache = model.init_cache(1)
         with torch.no_grad():
             model(torch.randint(0, cfg.vocab_size, (1, T)), cache=cache)
-        elem = cache.layers[0].S.element_size() if attn == 'linear' else next(model.parameters()).element_size()
+        elem = cache.layers[0].bufs[0].element_size() if attn == 'linear' else next(model.parameters()).element_size()
         formula = cfg.cache_elements(T)
         if attn == 'linear':
             per_token = f"— (state {formula:,})"
@@ -513,7 +513,7 @@ def mla_explicit_decode(attn, x, rope, pos, cache):
     q = attn.c_q(x).view(B, L, H, dh + dR).transpose(1, 2)
     q = torch.cat([q[..., :dh], apply_rope(q[..., dh:], rope)], dim=-1)
     c, k_rope = attn.kv_down(x).unsqueeze(1).split([dc, dR], dim=-1)
-    latent, = cache.update(pos, torch.cat([attn.kv_norm(c), apply_rope(k_rope, rope)], dim=-1))
+    latent, _ = cache.update(pos, torch.cat([attn.kv_norm(c), apply_rope(k_rope, rope)], dim=-1))
     S = latent.size(2)
     k = torch.cat([attn.k_up(latent[..., :dc]).view(B, S, H, dh).transpose(1, 2),
                    latent[..., dc:].expand(B, H, S, dR)], dim=-1)
@@ -532,12 +532,12 @@ def mla_absorbed_vs_explicit(sizes, device, dtype, t=1024, steps=20):
     res = {}
     for name, step in (('absorbed', attn.forward), ('explicit', lambda *a: mla_explicit_decode(attn, *a))):
         cache = attn.init_cache(1, cfg.block_size, dtype, device)
-        attn(x[:, :t], model.rope(0, t), 0, cache)
+        attn(x[:, :t], model.rope(torch.arange(t, device=device)), 0, cache)
         outs, times = [], []
         for i in range(steps):
             sync(device)
             t0 = time.perf_counter()
-            outs.append(step(x[:, t + i:t + i + 1], model.rope(t + i, 1), t + i, cache))
+            outs.append(step(x[:, t + i:t + i + 1], model.rope(torch.arange(t + i, t + i + 1, device=device)), t + i, cache))
             sync(device)
             times.append(time.perf_counter() - t0)
         res[name] = (statistics.median(times[1:]) * 1000, torch.cat(outs, 1))

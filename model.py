@@ -113,19 +113,21 @@ def apply_rope(x, rope):
 DECODE_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
-def attend(q, k, v, scale=None, dropout_p=0.0):
-    """softmax(q kᵀ * scale + causal mask) v where the L queries are the LAST L of the S key positions.
-    q (B, nh, L, d), k (B, n_kv, S, d), v (B, n_kv, S, dv); n_kv divides nh (groups share a K/V head)."""
+def attend(q, k, v, scale=None, dropout_p=0.0, mask=None):
+    """softmax(q kᵀ * scale + mask) v. q (B, nh, L, d), k (B, n_kv, S, d), v (B, n_kv, S, dv); n_kv divides nh
+    (groups share a K/V head). mask (L, S), True = seen; None = causal with the L queries the LAST L of the S keys."""
     B, H, L, D = q.shape
     H_kv, S = k.size(1), k.size(2)
-    if L == S:  # training, or a prefill into an empty cache: is_causal's top-left mask is right only here
+    if mask is None and L == S:  # training, or a prefill into an empty cache: is_causal's top-left mask is right only here
         return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True, scale=scale,
                                               enable_gqa=H != H_kv)
-    with sdpa_kernel(DECODE_BACKENDS):
-        if L == 1:  # decode: a group's G query heads become G queries of its one K/V head, no mask (all keys seen)
-            y = F.scaled_dot_product_attention(q.reshape(B, H_kv, H // H_kv, D), k, v, dropout_p=dropout_p, scale=scale)
-            return y.reshape(B, H, 1, v.size(-1))  # reshape, not view: the output's strides depend on the backend
+    if mask is None and L > 1:
         mask = torch.ones(L, S, dtype=torch.bool, device=q.device).tril(S - L)  # query i sees keys <= S - L + i
+    with sdpa_kernel(DECODE_BACKENDS):
+        if L == 1:  # decode: a group's G query heads become G queries of its one K/V head (the mask broadcasts)
+            y = F.scaled_dot_product_attention(q.reshape(B, H_kv, H // H_kv, D), k, v, attn_mask=mask,
+                                               dropout_p=dropout_p, scale=scale)
+            return y.reshape(B, H, 1, v.size(-1))  # reshape, not view: the output's strides depend on the backend
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, scale=scale,
                                               enable_gqa=H != H_kv)
 
@@ -138,11 +140,18 @@ class KVCache:
         self.bufs = [torch.zeros(s, dtype=dtype, device=device) for s in shapes]
 
     def update(self, pos, *xs):
-        """Write xs (B, heads, L, dim) at positions [pos, pos + L); return everything held so far."""
-        end = pos + xs[0].size(2)
+        """Write xs (B, heads, L, dim) at positions [pos, pos + L); return the buffers and the (L, S) mask.
+        An int pos (eager): the filled part [:pos + L], mask None (causal), a cost that grows with t.
+        A tensor pos (static shapes, one graph for every step): the whole buffers, the filled part unmasked."""
+        L = xs[0].size(2)
+        if not torch.is_tensor(pos):
+            for buf, x in zip(self.bufs, xs):
+                buf[:, :, pos:pos + L] = x
+            return *[buf[:, :, :pos + L] for buf in self.bufs], None
+        positions = pos + torch.arange(L, device=pos.device)
         for buf, x in zip(self.bufs, xs):
-            buf[:, :, pos:end] = x
-        return [buf[:, :, :end] for buf in self.bufs]
+            buf.index_copy_(2, positions, x)
+        return *self.bufs, torch.arange(self.bufs[0].size(2), device=pos.device) <= positions[:, None]
 
     def nbytes(self, n):  # bytes of the first n positions (the filled part)
         return sum(b[:, :, :n].numel() * b.element_size() for b in self.bufs)
@@ -152,35 +161,40 @@ class KVCache:
 
 
 class StateCache:
-    """Linear attention's recurrent state: S = sum phi(k) vᵀ and z = sum phi(k). Fixed size in T."""
+    """Linear attention's recurrent state, bufs = [S = sum phi(k) vᵀ, z = sum phi(k)]. Fixed size in T."""
 
     def __init__(self, S, z):
-        self.S, self.z = S, z
+        self.bufs = [S, z]
 
     def nbytes(self, n):
-        return self.S.nbytes + self.z.nbytes
+        return sum(b.nbytes for b in self.bufs)
 
     def reset(self):
-        self.S.zero_()
-        self.z.zero_()
+        for b in self.bufs:
+            b.zero_()
 
 
 class Cache:
-    """Every layer's cache plus the one position counter, advanced by GPT.forward after the last layer."""
+    """Every layer's cache plus the one position counter, advanced by GPT.forward after the last layer: an int,
+    or with static=True a device tensor, so that a compiled decode step is one graph (CUDA graphs) at every t."""
 
-    def __init__(self, layers):
-        self.layers, self.pos = layers, 0
+    def __init__(self, layers, static=False):
+        self.layers = layers
+        self.pos = torch.zeros((), dtype=torch.long, device=layers[0].bufs[0].device) if static else 0
+        if static:  # CUDA graph replays write into these in place: their addresses must never change
+            for t in [self.pos] + [b for layer in layers for b in layer.bufs]:
+                torch._dynamo.mark_static_address(t)
 
     def __len__(self):
-        return self.pos
+        return int(self.pos)
 
     @property
     def nbytes(self):
-        return sum(layer.nbytes(self.pos) for layer in self.layers)
+        return sum(layer.nbytes(len(self)) for layer in self.layers)
 
     def reset(self):
         """Empty again, buffers kept: the counter to 0, linear attention's state to zeros."""
-        self.pos = 0
+        self.pos = self.pos.zero_() if torch.is_tensor(self.pos) else 0
         for layer in self.layers:
             layer.reset()
 
@@ -212,9 +226,10 @@ class CausalSelfAttention(nn.Module):
 
     def mix(self, q, k, v, rope, pos, cache):
         q, k = apply_rope(q, rope), apply_rope(k, rope)
+        mask = None
         if cache is not None:
-            k, v = cache.update(pos, k, v)  # (B, n_kv, S, hs): every key and value so far
-        return attend(q, k, v, dropout_p=self.dropout if self.training else 0.0)
+            k, v, mask = cache.update(pos, k, v)  # (B, n_kv, S, hs): every key and value so far
+        return attend(q, k, v, dropout_p=self.dropout if self.training else 0.0, mask=mask)
 
     def init_cache(self, batch_size, capacity, dtype, device):
         shape = (batch_size, self.n_kv_head, capacity, self.head_dim)
@@ -276,12 +291,15 @@ class LinearAttention(CausalSelfAttention):
         dtype = v.dtype
         q, k = phi(q), phi(k)  # float32 at least, and so are v, the state and the division:
         v = v.to(q.dtype)      # under 16-bit autocast the denominator would overflow fp16
-        state = self.init_cache(q.size(0), 0, q.dtype, q.device) if cache is None else cache
+        state = (self.init_cache(q.size(0), 0, q.dtype, q.device) if cache is None else cache).bufs  # [S, z]
         with torch.autocast(q.device.type, enabled=False):
             if q.size(2) == 1:  # decode: the recurrent form
-                y, (state.S, state.z) = linear_recurrent(q, k, v, (state.S, state.z))
+                y, new_state = linear_recurrent(q, k, v, state)
             else:               # training, prefill: chunkwise-parallel, continuing from the state
-                y, (state.S, state.z) = linear_chunked(q, k, v, self.chunk_size, (state.S, state.z))
+                y, new_state = linear_chunked(q, k, v, self.chunk_size, state)
+        if cache is not None:
+            for buf, new in zip(state, new_state):
+                buf.copy_(new)  # in place: the state keeps its address (CUDA graphs)
         return y.to(dtype)
 
     def init_cache(self, batch_size, capacity, dtype, device):
@@ -330,13 +348,13 @@ class MultiHeadLatentAttention(nn.Module):
             y = attend(q, k, v, self.scale, dropout_p)                      # (B, nh, L, dh)
         else:  # with a cache (prefill, chunks, decode): W_UK folded into q, attention over the cached latents,
             # W_UV after; no K, V formed
-            latent, = cache.update(pos, latent)                             # (B, 1, S, dc + dR)
+            latent, mask = cache.update(pos, latent)                        # (B, 1, S, dc + dR)
             q_lat = torch.einsum('bhld,hdc->bhlc', q[..., :dh], self.k_up.weight.view(H, dh, dc))
             q = torch.cat([q_lat, q[..., dh:]], dim=-1)                     # (B, nh, L, dc + dR)
             # MQA with one key [c | k_R] and value c; the value is passed whole and its k_R columns dropped after,
             # so K and V have one head dim and the fused kernel reads the cache once (else: a math kernel that
             # rescales the whole cache every step)
-            y = attend(q, latent, latent, self.scale, dropout_p)[..., :dc]  # (B, nh, L, dc)
+            y = attend(q, latent, latent, self.scale, dropout_p, mask)[..., :dc]  # (B, nh, L, dc)
             y = torch.einsum('bhlc,hdc->bhld', y, self.v_up.weight.view(H, dh, dc))  # (B, nh, L, dh)
         return self.resid_dropout(self.c_proj(y.transpose(1, 2).contiguous().view(B, L, H * dh)))
 
@@ -428,35 +446,37 @@ class GPT(nn.Module):
         elif isinstance(module, nn.Embedding):
             torch.nn.init.normal_(module.weight, mean=0.0, std=0.02)
 
-    def rope(self, pos, L):
-        """RoPE's table (L, 2, d) for positions [pos, pos + L), or None with learned positions."""
+    def rope(self, positions):
+        """RoPE's table (L, 2, d) at positions (L,), or None with learned positions."""
         if self.config.pos_emb == 'learned':
             return None
-        table = self.rope_table[pos:pos + L]
+        table = self.rope_table[positions]
         return table.to(torch.promote_types(table.dtype, torch.float32))  # float32 at least, even in a 16-bit model
 
-    def init_cache(self, batch_size, dtype=None, device=None):
-        """An empty cache for batch_size sequences of up to block_size tokens."""
+    def init_cache(self, batch_size, dtype=None, device=None, static=False):
+        """An empty cache for batch_size sequences of up to block_size tokens. static=True: every step attends
+        over the whole capacity under a mask, so its shapes never change (for torch.compile / CUDA graphs)."""
         p = self.lm_head.weight
         return Cache([block.attn.init_cache(batch_size, self.config.block_size, dtype or p.dtype, device or p.device)
-                      for block in self.transformer.h])
+                      for block in self.transformer.h], static)
 
     def forward(self, idx, targets=None, cache=None):
         """idx (B, L). Without a cache: tokens at positions 0..L-1. With one: L new tokens continuing
         from the len(cache) it holds, appended to it; logits for all L positions are returned."""
         B, L = idx.size()
-        pos = len(cache) if cache is not None else 0
-        if pos + L > self.config.block_size:
+        pos = cache.pos if cache is not None else 0  # a tensor for a static cache: never read on the host
+        if not torch.is_tensor(pos) and pos + L > self.config.block_size:
             raise ValueError(f"cannot feed {L} tokens at position {pos}: block_size is {self.config.block_size}")
+        positions = torch.arange(L, device=idx.device) + pos  # (L,)
         x = self.transformer.wte(idx)  # (B, L, n_embd)
         if self.config.pos_emb == 'learned':
-            x = x + self.transformer.wpe(torch.arange(pos, pos + L, device=idx.device))
+            x = x + self.transformer.wpe(positions)
         x = self.transformer.drop(x)
-        rope = self.rope(pos, L)
+        rope = self.rope(positions)
         for i, block in enumerate(self.transformer.h):
             x = block(x, rope, pos, cache.layers[i] if cache is not None else None)
         if cache is not None:
-            cache.pos += L  # once, after the last layer
+            cache.pos += L  # once, after the last layer (in place for a tensor)
         x = self.transformer.ln_f(x)
         if targets is not None:
             logits = self.lm_head(x)
@@ -497,21 +517,23 @@ class GPT(nn.Module):
             raise ValueError("empty prompt: generation needs at least one token to condition on")
         block_size = self.config.block_size
         start = max(0, idx.size(1) - block_size)  # idx[:, start:] is the window
+        new = idx[:, start:]  # the tokens the cache has not seen: the window, then 1 token a step
         if use_cache:
             cache = self.init_cache(idx.size(0)) if cache is None else cache
             cache.reset()
         for _ in range(max_new_tokens):
             if idx.size(1) - start > block_size:
                 start = idx.size(1) - max(1, block_size // 2)
+                new = idx[:, start:]
                 if use_cache:
                     cache.reset()
             if use_cache:
-                logits, _ = self(idx[:, start + len(cache):], cache=cache)  # prefill, then 1 token a step
+                logits, _ = self(new, cache=cache)  # prefill, then decode
             else:
                 logits, _ = self(idx[:, start:])  # re-run the whole window
-            idx_next = sample(logits[:, -1, :].float(), temperature, top_k, top_p)
-            idx = torch.cat((idx, idx_next), dim=1)
-            yield idx_next
+            new = sample(logits[:, -1, :].float(), temperature, top_k, top_p)  # (B, 1)
+            idx = torch.cat((idx, new), dim=1)
+            yield new
 
 
 def sample(logits, temperature=1.0, top_k=None, top_p=None):

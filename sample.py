@@ -33,7 +33,7 @@ compare = False            # generate with and without the cache and print a com
 device = 'cuda' if torch.cuda.is_available() else 'cpu'
 # the weights and the cache in this dtype (decode reads both once per token: 16 bits halve it)
 dtype = 'bfloat16' if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else 'float16' if torch.cuda.is_available() else 'float32'
-compile = False            # torch.compile the model (in place)
+compile = False            # torch.compile the model, with a static cache (on CUDA: CUDA graphs)
 # -----------------------------------------------------------------------------
 config_keys = [k for k, v in globals().items() if not k.startswith('_') and isinstance(v, (int, float, bool, str))]
 memory_errors_in_one_line()
@@ -76,8 +76,8 @@ except Exception as e:  # truncated, corrupted or foreign files all land here
     fail(f"cannot load checkpoint {ckpt_path}: {describe(e)}")
 ptdtype = {'float32': torch.float32, 'bfloat16': torch.bfloat16, 'float16': torch.float16}[dtype]
 model.eval().to(device=device, dtype=ptdtype)
-if compile:  # in place: stream() calls self(...), which a torch.compile(model) wrapper would not reach
-    model.compile()
+if compile:  # in place: stream() calls self(...), which a torch.compile(model) wrapper would not reach; on CUDA
+    model.compile(mode='reduce-overhead' if 'cuda' in device else None)  # each decode step one CUDA graph replay
 torch.manual_seed(seed)
 device_type = 'cuda' if 'cuda' in device else 'cpu'
 
@@ -107,7 +107,7 @@ options = dict(temperature=temperature, top_k=top_k, top_p=top_p if top_p < 1 el
 def run(cached, stream=False, max_new_tokens=max_new_tokens):
     """num_samples samples (one batch row each, one seed); returns the new tokens, tokens/s and the cache."""
     torch.manual_seed(seed)
-    cache = model.init_cache(num_samples) if cached else None
+    cache = model.init_cache(num_samples, static=compile) if cached else None  # static: the same shapes every step
     if device_type == 'cuda':
         torch.cuda.synchronize()
     t0 = time.perf_counter()

@@ -14,8 +14,8 @@ VARIANTS = [dict(attn=a) for a in ATTN_LAYOUTS] + [
 IDS = ['-'.join(f'{k}={v}' for k, v in d.items()) for d in VARIANTS]
 
 
-def cached_logits(model, idx, chunks):
-    cache = model.init_cache(idx.size(0))
+def cached_logits(model, idx, chunks, static=False):
+    cache = model.init_cache(idx.size(0), static=static)
     out, pos = [], 0
     for n in chunks:
         logits, _ = model(idx[:, pos:pos + n], cache=cache)
@@ -26,14 +26,34 @@ def cached_logits(model, idx, chunks):
     return torch.cat(out, dim=1)
 
 
+@pytest.mark.parametrize('static', [False, True], ids=['cache', 'static_cache'])
 @pytest.mark.parametrize('dtype', [torch.float64, torch.float32])
 @pytest.mark.parametrize('variant', VARIANTS, ids=IDS)
-def test_full_equals_token_by_token_equals_chunks(variant, dtype):
+def test_full_equals_token_by_token_equals_chunks(variant, dtype, static):
     model = make_model(dtype=dtype, **variant)
     idx = torch.randint(0, model.config.vocab_size, (3, 32))
     full = full_logits(model, idx)
     for chunks in ([1] * 32, [5, 1, 3, 7, 16], [32], [2, 30]):
-        torch.testing.assert_close(cached_logits(model, idx, chunks), full, **tol(dtype))
+        torch.testing.assert_close(cached_logits(model, idx, chunks, static), full, **tol(dtype))
+
+
+def test_eager_cache_attends_to_t_keys_static_to_capacity(attn, monkeypatch):
+    """The default cache's cost grows with t (attention sees the t filled keys); a static cache always
+    attends over block_size keys under a mask, so every step has the same shapes."""
+    import model as model_module
+    seen = []
+    attend = model_module.attend
+    monkeypatch.setattr(model_module, 'attend', lambda q, k, *a, **kw: seen.append(k.size(2)) or attend(q, k, *a, **kw))
+    model = make_model(attn)
+    idx = torch.randint(0, 40, (1, 8))
+    for static in (False, True):
+        seen.clear()
+        cache = model.init_cache(1, static=static)
+        for t in range(8):
+            model(idx[:, t:t + 1], cache=cache)
+        if attn != 'linear':  # (no attend: a fixed-size state either way)
+            per_layer = [32] * 8 if static else list(range(1, 9))
+            assert seen == [s for s in per_layer for _ in range(model.config.n_layer)]
 
 
 def test_last_position_shortcut_and_block_size_limit(attn):
@@ -76,7 +96,7 @@ def test_batch_rows_are_independent(attn):
 def test_cache_buffers_are_preallocated_not_resized(attn):
     model = make_model(attn)
     cache = model.init_cache(2)
-    bufs = lambda: [t for layer in cache.layers for t in (layer.bufs if attn != 'linear' else [layer.S, layer.z])]
+    bufs = lambda: [t for layer in cache.layers for t in layer.bufs]
     ptrs = [t.data_ptr() for t in bufs()] if attn != 'linear' else None
     for _ in range(5):
         model(torch.randint(0, 40, (2, 3)), cache=cache)

@@ -12,8 +12,9 @@ def test_greedy_with_and_without_cache_identical(attn, new_tokens):
     prompt = torch.randint(0, 40, (2, 4))
     a = model.generate(prompt, new_tokens, temperature=0, use_cache=True)
     b = model.generate(prompt, new_tokens, temperature=0, use_cache=False)
+    static = torch.cat([prompt, *model.stream(prompt, new_tokens, temperature=0, cache=model.init_cache(2, static=True))], 1)
     assert a.shape == (2, 4 + new_tokens)
-    assert torch.equal(a, b)
+    assert torch.equal(a, b) and torch.equal(static, b)
 
 
 def test_sampling_same_seed_same_tokens(attn):
@@ -114,3 +115,24 @@ def test_decode_tokens_do_not_depend_on_the_sdpa_backend(attn, backend, monkeypa
     with sdpa_kernel([getattr(SDPBackend, backend), SDPBackend.MATH]):
         assert torch.equal(m.generate(prompt, 40, temperature=0, use_cache=True), reference)
         assert torch.equal(m.generate(prompt, 40, temperature=0, use_cache=False), reference)
+
+
+def test_a_static_cache_decodes_every_position_with_one_graph(attn):
+    """sample.py --compile / bench.py decode --compile: with static=True the position is a tensor and the
+    shapes never change, so one compiled graph (on CUDA one CUDA graph) serves every decode step, past
+    block_size too; with the default cache each position would be a new graph (dynamic=False)."""
+    torch._dynamo.reset()
+    graphs = []
+    def count(gm, inputs):  # a backend that runs the traced graph as is and notes whether it decodes (idx (1, 1))
+        graphs.append(any(torch.is_tensor(t) and t.dtype == torch.long and t.shape == (1, 1) for t in inputs))
+        return gm.forward
+    model = make_model(attn).eval()
+    prompt = torch.randint(0, 40, (1, 4))
+    expected = model.generate(prompt, 50, temperature=0, use_cache=False)
+    model.compile(backend=count, fullgraph=True, dynamic=False)
+    cache = model.init_cache(1, static=True)
+    with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True):
+        out = torch.cat([prompt, *model.stream(prompt, 50, temperature=0, cache=cache)], 1)
+    assert torch.equal(out, expected)  # 4 + 50 tokens: the window slid past block_size = 32
+    assert graphs.count(True) == 1  # one decode graph for all ~50 positions (prefills: the prompt, slid windows)
+    torch._dynamo.reset()

@@ -73,7 +73,7 @@ def test_phi_positive_in_bf16_and_float32_state():
     cache = model.init_cache(2)
     logits, _ = model(torch.randint(0, 40, (2, 9)), cache=cache)
     assert logits.dtype == torch.bfloat16
-    assert all(layer.S.dtype == layer.z.dtype == torch.float32 for layer in cache.layers)
+    assert all(all(b.dtype == torch.float32 for b in layer.bufs) for layer in cache.layers)
 
 
 def test_model_linear_layer_uses_chunked_and_recurrent_consistently():
@@ -99,12 +99,12 @@ def test_state_stays_float32_under_autocast():
             outs.append(attn.mix(q, k, v, None, 0, state))
             outs.append(attn.mix(q[:, :, :1], k[:, :, :1], v[:, :, :1], None, 40, state))  # one recurrent step
             states.append(state)
-    assert states[1].S.dtype == states[1].z.dtype == torch.float32
+    assert all(b.dtype == torch.float32 for b in states[1].bufs)
     for a, b in zip(outs[:2], outs[2:]):
         assert rel_err(b, a) < 1e-6
     idx = torch.randint(0, 40, (2, 20))
     cache = model.init_cache(2)
     with torch.autocast('cpu', dtype=torch.bfloat16):
         logits, _ = model(idx, cache=cache)
-    assert all(layer.S.dtype == torch.float32 for layer in cache.layers)
+    assert all(layer.bufs[0].dtype == torch.float32 for layer in cache.layers)
     assert rel_err(logits.float(), model(idx, targets=idx)[0]) < 0.05  # bf16 projections only

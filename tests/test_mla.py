@@ -33,10 +33,10 @@ def explicit_and_absorbed_scores(attn, h, rope, scale_nope=True):
 def test_absorbed_scores_equal_explicit(q_lora_rank):
     model = make_model('mla', q_lora_rank=q_lora_rank)
     attn, h = layer0_inputs(model, torch.randint(0, 40, (2, 20)))
-    explicit, absorbed = explicit_and_absorbed_scores(attn, h, model.rope(0, 20))
+    explicit, absorbed = explicit_and_absorbed_scores(attn, h, model.rope(torch.arange(20)))
     torch.testing.assert_close(absorbed, explicit, atol=1e-10, rtol=0)
     # negative control: the 1/sqrt(d_h + d_R) scale on the rope term only
-    _, bug = explicit_and_absorbed_scores(attn, h, model.rope(0, 20), scale_nope=False)
+    _, bug = explicit_and_absorbed_scores(attn, h, model.rope(torch.arange(20)), scale_nope=False)
     assert not torch.allclose(bug, explicit, atol=1e-3)
 
 
@@ -45,11 +45,11 @@ def test_absorbed_layer_output_equals_explicit(dtype):
     """One MLA layer: explicit (K, V materialized) == absorbed over cached latents, chunk by chunk."""
     model = make_model('mla', dtype=dtype)
     attn, h = layer0_inputs(model, torch.randint(0, 40, (2, 24)))
-    explicit = attn(h, model.rope(0, 24), 0)
+    explicit = attn(h, model.rope(torch.arange(24)), 0)
     cache = attn.init_cache(2, 32, dtype, h.device)
     out, pos = [], 0
     for n in (7, 1, 1, 9, 6):
-        out.append(attn(h[:, pos:pos + n], model.rope(pos, n), pos, cache))
+        out.append(attn(h[:, pos:pos + n], model.rope(torch.arange(pos, pos + n)), pos, cache))
         pos += n
     torch.testing.assert_close(torch.cat(out, 1), explicit, **tol(dtype))
 
@@ -80,7 +80,7 @@ def test_cache_holds_normed_latent_and_rotated_rope_key():
     assert cache.layers[0].bufs[0].shape == (2, 1, model.config.block_size, 16 + 4)
     c, k_r = attn.kv_down(h).split([attn.dc, attn.dR], -1)            # W_DKV x, W_KR x
     torch.testing.assert_close(held[..., :attn.dc], attn.kv_norm(c), atol=1e-12, rtol=0)
-    torch.testing.assert_close(held[..., attn.dc:], apply_rope(k_r, model.rope(0, 11)), atol=1e-12, rtol=0)
+    torch.testing.assert_close(held[..., attn.dc:], apply_rope(k_r, model.rope(torch.arange(11))), atol=1e-12, rtol=0)
     # negative controls: the latent before the norm, and the rope key unrotated, are not what is held
     assert not torch.allclose(held[..., :attn.dc], c, atol=1e-3)
     assert not torch.allclose(held[..., attn.dc:], k_r, atol=1e-3)
@@ -99,5 +99,5 @@ def test_decoding_at_position_zero_is_caught(monkeypatch):
 
     torch.testing.assert_close(decode(model), full, atol=1e-10, rtol=0)
     rope = model.rope
-    monkeypatch.setattr(model, 'rope', lambda pos, L: rope(0, L))
+    monkeypatch.setattr(model, 'rope', lambda positions: rope(positions - positions[0]))
     assert not torch.allclose(decode(model), full, atol=1e-3)

@@ -95,11 +95,11 @@ def test_rope_checks_reject_the_bug(bug):
 
 
 def test_model_rope_slices_its_table_at_the_position():
-    """GPT.rope(pos, L) is the rotation of positions pos .. pos + L - 1 (the offset the cache relies on)."""
+    """GPT.rope(positions) is the rotation of positions pos .. pos + L - 1 (the offset the cache relies on)."""
     model = make_model('mha', rope_base=500.0)
     x = torch.randn(2, 4, 6, 8, dtype=torch.float64)
     for pos in (0, 3, 20):
-        torch.testing.assert_close(apply_rope(x, model.rope(pos, 6)), rope_ref(x, torch.arange(pos, pos + 6), 500.0),
+        torch.testing.assert_close(apply_rope(x, model.rope(torch.arange(pos, pos + 6))), rope_ref(x, torch.arange(pos, pos + 6), 500.0),
                                    atol=ATOL, rtol=0)
 
 
@@ -183,11 +183,11 @@ def linear_attention_ref(attn, x, strict=False):
 def layer_paths(model, x):
     """The first block's attention on x: the training path, and the cached path in SCHEDULE's pieces."""
     attn = model.transformer.h[0].attn
-    full = attn(x, model.rope(0, x.size(1)), 0)
+    full = attn(x, model.rope(torch.arange(x.size(1))), 0)
     cache = attn.init_cache(x.size(0), model.config.block_size, x.dtype, x.device)
     out, pos = [], 0
     for n in SCHEDULE:
-        out.append(attn(x[:, pos:pos + n], model.rope(pos, n), pos, cache))
+        out.append(attn(x[:, pos:pos + n], model.rope(torch.arange(pos, pos + n)), pos, cache))
         pos += n
     return attn, full, torch.cat(out, 1)
 

@@ -1,10 +1,8 @@
 """
-One causal Transformer (nanoGPT's GPT) whose attention block is picked by config:
-MHA, GQA, MQA (softmax attention with n_kv_head K/V heads), MLA (DeepSeek-V2 latent attention)
-and linear attention (Katharopoulos et al. 2020). Each layout has an exact cache for generation.
-
-Two regimes: training / prefill feeds L = S = T tokens under a causal mask; decode feeds L = 1 token
-that attends to S = T + 1 keys. k_j and v_j depend only on tokens <= j, so they are cached; q is not.
+One causal Transformer (nanoGPT's GPT) whose attention block is picked by config: MHA, GQA, MQA (softmax
+attention with n_kv_head K/V heads), MLA (DeepSeek-V2) and linear attention (Katharopoulos et al. 2020).
+Training / prefill feeds L = S = T tokens under a causal mask; decode feeds L = 1 token that attends to
+S = T + 1 keys. k_j, v_j depend only on tokens <= j, so each layout caches them (or a state); q is not cached.
 """
 
 import math
@@ -40,33 +38,35 @@ class GPTConfig:
     match_mha_params: bool = False  # widen/narrow the MLP so the model has MHA's parameter count
 
     def __post_init__(self):
-        def bad(field, allowed):
-            raise ValueError(f"GPTConfig.{field}={getattr(self, field)!r} is invalid: {allowed}")
-        if self.attn not in ATTN_LAYOUTS: bad('attn', f"must be one of {ATTN_LAYOUTS}")
-        if self.pos_emb not in POS_EMBS: bad('pos_emb', f"must be one of {POS_EMBS}")
-        for f in ('block_size', 'vocab_size', 'n_layer', 'n_head', 'n_embd', 'chunk_size'):
-            if not isinstance(getattr(self, f), int) or getattr(self, f) < 1: bad(f, "must be an integer >= 1")
-        for f in ('n_kv_head', 'q_lora_rank', 'kv_lora_rank', 'rope_head_dim'):
-            if not isinstance(getattr(self, f), int) or getattr(self, f) < 0: bad(f, "must be an integer >= 0")
-        if not 0.0 <= self.dropout < 1.0: bad('dropout', "must be in [0, 1)")
-        if self.n_embd % self.n_head: bad('n_embd', f"must be divisible by n_head={self.n_head}")
+        whole = lambda least: (lambda v: isinstance(v, int) and v >= least, f"must be an integer >= {least}")
+        rules = [('attn', lambda v: v in ATTN_LAYOUTS, f"must be one of {ATTN_LAYOUTS}"),  # (field, test, rule)
+                 ('pos_emb', lambda v: v in POS_EMBS, f"must be one of {POS_EMBS}"),
+                 *[(f, *whole(1)) for f in ('block_size', 'vocab_size', 'n_layer', 'n_head', 'n_embd', 'chunk_size')],
+                 *[(f, *whole(0)) for f in ('n_kv_head', 'q_lora_rank', 'kv_lora_rank', 'rope_head_dim')],
+                 ('dropout', lambda v: 0.0 <= v < 1.0, "must be in [0, 1)"),
+                 ('rope_base', lambda v: v > 0, "must be > 0"),
+                 ('n_embd', lambda v: v % self.n_head == 0, f"must be divisible by n_head={self.n_head}")]
+        for field, ok, rule in rules:  # in order: later tests may rely on earlier fields being valid
+            if not ok(getattr(self, field)):
+                self.bad(field, rule)
         h = self.n_head  # K/V head counts each layout allows; mla and linear have n_head heads, none shared
         allowed = {'mha': [h], 'mqa': [1], 'gqa': [d for d in range(2, h) if h % d == 0]}.get(self.attn, [h])
-        if self.n_kv_head == 0 and allowed:
-            self.n_kv_head = allowed[0]  # 0 = the layout's default
+        self.n_kv_head = self.n_kv_head or (allowed + [0])[0]  # 0 = the layout's default
         if self.n_kv_head not in allowed:
-            bad('n_kv_head', f"attn={self.attn!r} with n_head={h} allows {allowed} "
-                             "(gqa: a divisor of n_head strictly between 1 and n_head)")
+            self.bad('n_kv_head', f"attn={self.attn!r} with n_head={h} allows {allowed} "
+                                  "(gqa: a divisor of n_head strictly between 1 and n_head)")
         self.kv_lora_rank = self.kv_lora_rank or 4 * self.head_dim  # 0 = the paper's ratios to head_dim
         self.rope_head_dim = self.rope_head_dim or max(2, self.head_dim // 4 * 2)
         if self.attn == 'mla' and self.rope_head_dim % 2:
-            bad('rope_head_dim', "must be even for attn='mla' (RoPE rotates pairs)")
-        if self.match_mha_params and mlp_hidden(self) < 1:
-            bad('match_mha_params', f"the MLP would need {mlp_hidden(self)} units to match MHA's parameter count; "
-                                    "lower kv_lora_rank / q_lora_rank, or set it False")
-        if not self.rope_base > 0: bad('rope_base', "must be > 0")
+            self.bad('rope_head_dim', "must be even for attn='mla' (RoPE rotates pairs)")
         if self.pos_emb == 'rope' and self.attn in ('mha', 'gqa', 'mqa') and self.head_dim % 2:
-            bad('n_embd', f"n_embd / n_head = {self.head_dim} must be even for RoPE (or use pos_emb='learned')")
+            self.bad('n_embd', f"n_embd / n_head = {self.head_dim} must be even for RoPE (or use pos_emb='learned')")
+        if self.match_mha_params and mlp_hidden(self) < 1:
+            self.bad('match_mha_params', f"the MLP would need {mlp_hidden(self)} units to match MHA's parameter "
+                                         "count; lower kv_lora_rank / q_lora_rank, or set it False")
+
+    def bad(self, field, rule):
+        raise ValueError(f"GPTConfig.{field}={getattr(self, field)!r} is invalid: {rule}")
 
     @property
     def head_dim(self):
@@ -132,12 +132,13 @@ def attend(q, k, v, scale=None, dropout_p=0.0, mask=None):
                                               enable_gqa=H != H_kv)
 
 
-class KVCache:
-    """Preallocated (B, heads, capacity, dim) buffers that grow along time: K and V for mha/gqa/mqa,
-    one [latent | rope key] buffer for MLA. Writes go into the buffers; nothing is ever resized."""
+class LayerCache:
+    """One layer's preallocated buffers, never resized: K and V (B, n_kv, capacity, hs) for mha/gqa/mqa, one
+    [latent | rope key] (B, 1, capacity, d_c + d_R) for MLA; or linear attention's state, fixed in size."""
 
-    def __init__(self, shapes, dtype, device):
+    def __init__(self, shapes, dtype, device, grows=True):
         self.bufs = [torch.zeros(s, dtype=dtype, device=device) for s in shapes]
+        self.grows = grows  # along time (dim 2); a state does not
 
     def update(self, pos, *xs):
         """Write xs (B, heads, L, dim) at positions [pos, pos + L); return the buffers and the (L, S) mask.
@@ -153,25 +154,8 @@ class KVCache:
             buf.index_copy_(2, positions, x)
         return *self.bufs, torch.arange(self.bufs[0].size(2), device=pos.device) <= positions[:, None]
 
-    def nbytes(self, n):  # bytes of the first n positions (the filled part)
-        return sum(b[:, :, :n].numel() * b.element_size() for b in self.bufs)
-
-    def reset(self):  # nothing to clear: positions >= the counter are never read
-        pass
-
-
-class StateCache:
-    """Linear attention's recurrent state, bufs = [S = sum phi(k) vᵀ, z = sum phi(k)]. Fixed size in T."""
-
-    def __init__(self, S, z):
-        self.bufs = [S, z]
-
-    def nbytes(self, n):
-        return sum(b.nbytes for b in self.bufs)
-
-    def reset(self):
-        for b in self.bufs:
-            b.zero_()
+    def nbytes(self, n):  # of the first n positions (the filled part), or the whole state
+        return sum((b[:, :, :n] if self.grows else b).numel() * b.element_size() for b in self.bufs)
 
 
 class Cache:
@@ -193,39 +177,48 @@ class Cache:
         return sum(layer.nbytes(len(self)) for layer in self.layers)
 
     def reset(self):
-        """Empty again, buffers kept: the counter to 0, linear attention's state to zeros."""
+        """Empty again, buffers kept: the counter to 0 (in place for a tensor), the buffers to zeros."""
         self.pos = self.pos.zero_() if torch.is_tensor(self.pos) else 0
-        for layer in self.layers:
-            layer.reset()
+        for b in (b for layer in self.layers for b in layer.bufs):
+            b.zero_()
 
 
 # ----------------------------------------------------------------------------------------------
 # The attention layouts: same forward(x, rope, pos, cache) and init_cache(batch, capacity, dtype, device)
 
-class CausalSelfAttention(nn.Module):
+class Attention(nn.Module):
+    """What the layouts share: n_head heads of head_dim, splitting and merging them, the output projection
+    c_proj (made by each layout after its own projections: the init draws weights in that order)."""
+
+    def __init__(self, config):
+        super().__init__()
+        self.n_head, self.head_dim, self.dropout = config.n_head, config.head_dim, config.dropout
+        self.resid_dropout = nn.Dropout(config.dropout)
+
+    def heads(self, x, n):  # (B, L, n * d) -> (B, n, L, d)
+        return x.view(x.size(0), x.size(1), n, -1).transpose(1, 2)
+
+    def out(self, y):  # (B, nh, L, d) -> (B, L, n_embd)
+        return self.resid_dropout(self.c_proj(y.transpose(1, 2).flatten(2)))
+
+
+class CausalSelfAttention(Attention):
     """MHA / GQA / MQA: n_head query heads in groups of n_head / n_kv_head share one K/V head.
     Only the n_kv_head K/V heads are computed and cached."""
 
     def __init__(self, config):
-        super().__init__()
-        self.n_head, self.n_kv_head, self.head_dim = config.n_head, config.n_kv_head, config.head_dim
+        super().__init__(config)
+        self.n_kv_head = config.n_kv_head
         self.c_attn = nn.Linear(config.n_embd, (self.n_head + 2 * self.n_kv_head) * self.head_dim, bias=config.bias)
         self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
-        self.dropout = config.dropout
-        self.resid_dropout = nn.Dropout(config.dropout)
 
     def forward(self, x, rope, pos, cache=None):
-        B, L, C = x.size()
-        q, k, v = self.c_attn(x).split([self.n_head * self.head_dim, self.n_kv_head * self.head_dim,
-                                        self.n_kv_head * self.head_dim], dim=2)
-        q = q.view(B, L, self.n_head, self.head_dim).transpose(1, 2)     # (B, nh, L, hs)
-        k = k.view(B, L, self.n_kv_head, self.head_dim).transpose(1, 2)  # (B, n_kv, L, hs)
-        v = v.view(B, L, self.n_kv_head, self.head_dim).transpose(1, 2)  # (B, n_kv, L, hs)
-        y = self.mix(q, k, v, rope, pos, cache)                          # (B, nh, L, hs)
-        return self.resid_dropout(self.c_proj(y.transpose(1, 2).contiguous().view(B, L, C)))
+        H, H_kv = self.n_head, self.n_kv_head
+        qkv = self.heads(self.c_attn(x), H + 2 * H_kv)  # (B, nh + 2 n_kv, L, hs): queries, keys, values
+        qk = apply_rope(qkv[:, :H + H_kv], rope)        # queries and keys rotated in one call
+        return self.out(self.mix(qk[:, :H], qk[:, H:], qkv[:, H + H_kv:], pos, cache))
 
-    def mix(self, q, k, v, rope, pos, cache):
-        q, k = apply_rope(q, rope), apply_rope(k, rope)
+    def mix(self, q, k, v, pos, cache):  # (B, nh, L, hs), (B, n_kv, L, hs) x 2 -> (B, nh, L, hs)
         mask = None
         if cache is not None:
             k, v, mask = cache.update(pos, k, v)  # (B, n_kv, S, hs): every key and value so far
@@ -233,7 +226,7 @@ class CausalSelfAttention(nn.Module):
 
     def init_cache(self, batch_size, capacity, dtype, device):
         shape = (batch_size, self.n_kv_head, capacity, self.head_dim)
-        return KVCache([shape, shape], dtype, device)
+        return LayerCache([shape, shape], dtype, device)
 
 
 def phi(x):
@@ -287,7 +280,7 @@ class LinearAttention(CausalSelfAttention):
         super().__init__(config)
         self.chunk_size = config.chunk_size
 
-    def mix(self, q, k, v, rope, pos, cache):
+    def mix(self, q, k, v, pos, cache):
         dtype = v.dtype
         q, k = phi(q), phi(k)  # float32 at least, and so are v, the state and the division:
         v = v.to(q.dtype)      # under 16-bit autocast the denominator would overflow fp16
@@ -303,20 +296,18 @@ class LinearAttention(CausalSelfAttention):
         return y.to(dtype)
 
     def init_cache(self, batch_size, capacity, dtype, device):
-        dtype = torch.promote_types(dtype, torch.float32)
-        z = torch.zeros(batch_size, self.n_head, self.head_dim, dtype=dtype, device=device)
-        return StateCache(z.unsqueeze(-1).repeat(1, 1, 1, self.head_dim), z)
+        S = (batch_size, self.n_head, self.head_dim, self.head_dim)  # S = sum phi(k) vᵀ and z = sum phi(k)
+        return LayerCache([S, S[:-1]], torch.promote_types(dtype, torch.float32), device, grows=False)
 
 
-class MultiHeadLatentAttention(nn.Module):
+class MultiHeadLatentAttention(Attention):
     """DeepSeek-V2 MLA. K and V come from a small latent c = norm(W_DKV h), shared by all heads;
     position comes from a decoupled rope key k_R = RoPE(W_KR h), also shared by all heads, because
     RoPE cannot be absorbed into W_UK. The cache holds [c | k_R]: d_c + d_R elements per token."""
 
     def __init__(self, config):
-        super().__init__()
+        super().__init__(config)
         H, self.dh, self.dR, self.dc = config.n_head, config.head_dim, config.rope_head_dim, config.kv_lora_rank
-        self.n_head = H
         q_out = H * (self.dh + self.dR)  # per head: [nope | rope] query
         if config.q_lora_rank:
             self.c_q = nn.Sequential(nn.Linear(config.n_embd, config.q_lora_rank, bias=config.bias),
@@ -330,21 +321,19 @@ class MultiHeadLatentAttention(nn.Module):
         self.v_up = nn.Linear(self.dc, H * self.dh, bias=False)  # W_UV; no bias: absorbed at decode
         self.c_proj = nn.Linear(H * self.dh, config.n_embd, bias=config.bias)
         self.scale = 1.0 / math.sqrt(self.dh + self.dR)  # on both score terms
-        self.dropout = config.dropout
-        self.resid_dropout = nn.Dropout(config.dropout)
 
     def forward(self, x, rope, pos, cache=None):
-        B, L, _ = x.size()
         H, dh, dR, dc = self.n_head, self.dh, self.dR, self.dc
-        q = self.c_q(x).view(B, L, H, dh + dR).transpose(1, 2)      # (B, nh, L, dh + dR)
+        q = self.heads(self.c_q(x), H)                                   # (B, nh, L, dh + dR)
         q = torch.cat([q[..., :dh], apply_rope(q[..., dh:], rope)], dim=-1)
         c, k_rope = self.kv_down(x).unsqueeze(1).split([dc, dR], dim=-1)  # (B, 1, L, dc), (B, 1, L, dR)
         latent = torch.cat([self.kv_norm(c), apply_rope(k_rope, rope)], dim=-1)  # (B, 1, L, dc + dR)
         dropout_p = self.dropout if self.training else 0.0
         if cache is None:  # training (and uncached generation): materialize per-head K and V, ordinary attention
-            k = torch.cat([self.k_up(latent[..., :dc]).view(B, L, H, dh).transpose(1, 2),
+            B, _, L, _ = q.shape
+            k = torch.cat([self.heads(self.k_up(latent[:, 0, :, :dc]), H),
                            latent[..., dc:].expand(B, H, L, dR)], dim=-1)   # (B, nh, L, dh + dR)
-            v = self.v_up(latent[..., :dc]).view(B, L, H, dh).transpose(1, 2)  # (B, nh, L, dh)
+            v = self.heads(self.v_up(latent[:, 0, :, :dc]), H)              # (B, nh, L, dh)
             y = attend(q, k, v, self.scale, dropout_p)                      # (B, nh, L, dh)
         else:  # with a cache (prefill, chunks, decode): W_UK folded into q, attention over the cached latents,
             # W_UV after; no K, V formed
@@ -356,10 +345,10 @@ class MultiHeadLatentAttention(nn.Module):
             # rescales the whole cache every step)
             y = attend(q, latent, latent, self.scale, dropout_p, mask)[..., :dc]  # (B, nh, L, dc)
             y = torch.einsum('bhlc,hdc->bhld', y, self.v_up.weight.view(H, dh, dc))  # (B, nh, L, dh)
-        return self.resid_dropout(self.c_proj(y.transpose(1, 2).contiguous().view(B, L, H * dh)))
+        return self.out(y)
 
     def init_cache(self, batch_size, capacity, dtype, device):
-        return KVCache([(batch_size, 1, capacity, self.dc + self.dR)], dtype, device)
+        return LayerCache([(batch_size, 1, capacity, self.dc + self.dR)], dtype, device)
 
 
 ATTENTION = {'mha': CausalSelfAttention, 'gqa': CausalSelfAttention, 'mqa': CausalSelfAttention,
@@ -421,10 +410,10 @@ class GPT(nn.Module):
         ))
         if config.pos_emb == 'learned':
             self.transformer.wpe = nn.Embedding(config.block_size, config.n_embd)
-        else:  # one RoPE table, sliced at [pos, pos + L) by every layer
-            rope_dim = config.rope_head_dim if config.attn == 'mla' else config.head_dim
-            self.register_buffer('rope_table', rope_table(rope_dim, config.block_size, config.rope_base),
-                                 persistent=False)
+        rope_dim = config.rope_head_dim if config.attn == 'mla' else config.head_dim  # linear attention: no RoPE
+        uses_rope = config.pos_emb == 'rope' and config.attn != 'linear'  # one table, indexed by every layer
+        self.register_buffer('rope_table', rope_table(rope_dim, config.block_size, config.rope_base)
+                             if uses_rope else None, persistent=False)
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
         self.transformer.wte.weight = self.lm_head.weight  # weight tying
         self.apply(self._init_weights)
@@ -448,7 +437,7 @@ class GPT(nn.Module):
 
     def rope(self, positions):
         """RoPE's table (L, 2, d) at positions (L,), or None with learned positions."""
-        if self.config.pos_emb == 'learned':
+        if self.rope_table is None:
             return None
         table = self.rope_table[positions]
         return table.to(torch.promote_types(table.dtype, torch.float32))  # float32 at least, even in a 16-bit model

@@ -96,8 +96,8 @@ def test_state_stays_float32_under_autocast():
     for enabled in (False, True):
         with torch.autocast('cpu', dtype=torch.bfloat16, enabled=enabled):
             state = attn.init_cache(2, 0, torch.float32, q.device)
-            outs.append(attn.mix(q, k, v, None, 0, state))
-            outs.append(attn.mix(q[:, :, :1], k[:, :, :1], v[:, :, :1], None, 40, state))  # one recurrent step
+            outs.append(attn.mix(q, k, v, 0, state))
+            outs.append(attn.mix(q[:, :, :1], k[:, :, :1], v[:, :, :1], 40, state))  # one recurrent step
             states.append(state)
     assert all(b.dtype == torch.float32 for b in states[1].bufs)
     for a, b in zip(outs[:2], outs[2:]):

@@ -144,12 +144,8 @@ def cache_table(layouts=ATTN_LAYOUTS, T=None, **overrides):
             model(torch.randint(0, cfg.vocab_size, (1, T)), cache=cache)
         elem = cache.layers[0].bufs[0].element_size() if attn == 'linear' else next(model.parameters()).element_size()
         formula = cfg.cache_elements(T)
-        if attn == 'linear':
-            per_token = f"— (state {formula:,})"
-            fp16 = '—'
-        else:
-            per_token = f"{formula // T:,}"
-            fp16 = f"{formula // T * 2:,}"
+        per_token, fp16 = ((f"— (state {formula:,})", '—') if attn == 'linear' else
+                           (f"{formula // T:,}", f"{formula // T * 2:,}"))
         rows.append(f"| {attn} | {cfg.n_kv_head if attn in ('mha', 'gqa', 'mqa') else '—'} | {per_token} | {fp16} | "
                     f"{formula * elem:,} | {cache.nbytes:,} | {cache.nbytes / (formula * elem):.3f} |")
     cfg = GPTConfig(**overrides)

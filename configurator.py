@@ -26,6 +26,17 @@ def describe(e):
     return f"{type(e).__name__}: {' '.join(str(e).split())[:240] or '(no message)'}"
 
 
+def check_device(device, dtype):
+    """--device and --dtype: one line and exit 2 for a name this machine cannot use."""
+    import torch
+    if dtype not in ('float32', 'bfloat16', 'float16'):
+        fail(f"dtype={dtype!r} should be one of float32, bfloat16, float16")
+    if not re.fullmatch(r'cpu|cuda(:\d+)?', device):
+        fail(f"device={device!r} should be cpu, cuda or cuda:N")
+    if device.startswith('cuda') and not torch.cuda.is_available():
+        fail(f"device={device!r} but CUDA is not available here; use --device=cpu")
+
+
 def memory_errors_in_one_line():
     """Out of memory (a size too large for this machine) is one line on stderr, not a traceback."""
     default = sys.excepthook

@@ -9,13 +9,12 @@ Sample from a trained checkpoint, with or without the cache, or both side by sid
 """
 import glob
 import os
-import re
 import sys
 import time
 
 import torch
 
-from configurator import configure, describe, fail, memory_errors_in_one_line
+from configurator import check_device, configure, describe, fail, memory_errors_in_one_line
 from data.common import PrepareError, check_meta, tokenizer
 from model import GPT, GPTConfig
 
@@ -48,12 +47,7 @@ for name, ok, rule in (('max_new_tokens', max_new_tokens >= 0, '>= 0'), ('top_k'
                        ('max_new_tokens', max_new_tokens >= 1 or not compare, '>= 1 with --compare')):
     if not ok:
         fail(f"{name}={globals()[name]!r} must be {rule}")
-if dtype not in ('float32', 'bfloat16', 'float16'):
-    fail(f"dtype={dtype!r} should be one of float32, bfloat16, float16")
-if not re.fullmatch(r'cpu|cuda(:\d+)?', device):
-    fail(f"device={device!r} should be cpu, cuda or cuda:N")
-if device.startswith('cuda') and not torch.cuda.is_available():
-    fail(f"device={device!r} but CUDA is not available here; use --device=cpu")
+check_device(device, dtype)
 
 # ckpt.pt (the best val loss), else last.pt (where an interrupted run stopped); with no out_dir, the newest
 # checkpoint of the out*/ folders here, the ones train.py's configs write

@@ -17,7 +17,6 @@ import json
 import math
 import netrc
 import os
-import re
 import shlex
 import shutil
 import signal
@@ -45,7 +44,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from configurator import configure, describe, fail, memory_errors_in_one_line
+from configurator import check_device, configure, describe, fail, memory_errors_in_one_line
 from convert import pool_kv_heads
 from data.common import PrepareError, check_meta, run_prepare, tokenizer
 from model import GPT, GPTConfig, mlp_hidden
@@ -121,12 +120,7 @@ if converting and not os.path.isfile(os.path.join(init_from, 'ckpt.pt')):
     fail(f"init_from={init_from!r} should be 'scratch', 'resume', or an out_dir with an MHA ckpt.pt to convert")
 if converting and os.path.realpath(init_from) == os.path.realpath(out_dir):
     fail(f"out_dir={out_dir!r} holds the checkpoint being converted; give the converted model its own out_dir")
-if dtype not in ('float32', 'bfloat16', 'float16'):
-    fail(f"dtype={dtype!r} should be one of float32, bfloat16, float16")
-if not re.fullmatch(r'cpu|cuda(:\d+)?', device):
-    fail(f"device={device!r} should be cpu, cuda or cuda:N")
-if device.startswith('cuda') and not torch.cuda.is_available():
-    fail(f"device={device!r} but CUDA is not available here; use --device=cpu")
+check_device(device, dtype)
 for key, ok, rule in (('batch_size', batch_size >= 1, '>= 1'), ('max_iters', max_iters >= 0, '>= 0'),
                       ('learning_rate', learning_rate > 0, '> 0'), ('min_lr', 0 <= min_lr <= learning_rate,
                       'in [0, learning_rate]'), ('eval_interval', eval_interval >= 1, '>= 1'),

@@ -278,6 +278,7 @@ def convert_runs(out, max_iters, uptrain, lr, extra=()):
 
 
 def convert_table(runs, max_iters, uptrain, lr):
+    """The whole table, and a summary: from scratch, pooled, pooled + 5% uptraining, and the gap 5% closes."""
     mha = runs['mha']['val']['val/loss']
     name = {'mha': 'MHA', 'gqa': 'GQA, 2 K/V heads', 'mqa': 'MQA'}
     lines = ["| model | made by | iterations | params | cache bytes/token (fp32) | val loss | minus MHA's |",
@@ -298,11 +299,13 @@ def convert_table(runs, max_iters, uptrain, lr):
         if 0 in uptrain and n5 in uptrain and n5 > 0:
             l0, l5 = runs[attn, 0]['val']['val/loss'], runs[attn, n5]['val']['val/loss']
             recovered.append(f"{name[attn]} {(l0 - l5) / (l0 - mha):.0%}" if l0 > mha else f"{name[attn]}: no gap")
-    text = "\n".join(lines) + "\n"
+    headline = [line for line in lines if not re.search(r"uptrained (?!5\.0%)", line)]
+    summary = "\n".join(headline) + "\n"
     if recovered:
-        text += ("\nShare of the gap to MHA opened by mean-pooling that 5% uptraining closes: " +
-                 ", ".join(recovered) + ".\n")
-    return text + f"\nUptraining: peak learning rate {lr:g}, warmup a tenth of the run, cosine to {lr / 10:g}.\n"
+        summary += ("\nShare of the gap to MHA opened by mean-pooling that 5% uptraining closes: " +
+                    ", ".join(recovered) + ".\n")
+    lr_line = f"\nUptraining: peak learning rate {lr:g}, warmup a tenth of the run, cosine to {lr / 10:g}.\n"
+    return "\n".join(lines) + "\n" + lr_line, summary
 
 
 def plot_convert(runs, max_iters, uptrain, path):
@@ -538,9 +541,10 @@ def convert_report(args):
     plot_convert(runs, args.max_iters, uptrain, os.path.join(args.out, 'convert.png'))
     command = ' '.join(['python bench.py convert', f'--max_iters={args.max_iters}', f'--lr={args.lr:g}',
                         *(['--', *args.extra] if args.extra else [])])
+    table, summary = convert_table(runs, args.max_iters, uptrain, args.lr)
     return (f"`{command}` on {machine()}: config/cpu.py (4 layers, 4 heads, 128 wide, block 64), seed 1337, val loss "
-            f"= mean of the same 200 val batches.\n\n" + convert_table(runs, args.max_iters, uptrain, args.lr) +
-            f"\n![conversion]({os.path.join(args.out, 'convert.png')})\n")
+            f"= mean of the same 200 val batches.\n\n" + summary + f"\n![conversion]({os.path.join(args.out, 'convert.png')})\n"
+            + MORE + "\n**Every run**:\n\n" + table)
 
 
 def readme_section(mode, report, out='results'):
@@ -563,7 +567,8 @@ def main(argv=None):
              'convert': 'MHA -> GQA/MQA by mean-pooling, with and without uptraining, vs from scratch'}
     parsers = {m: sub.add_parser(m, help=h) for m, h in modes.items()}
     for m, q in parsers.items():
-        q.add_argument('--layouts', default=','.join(ATTN_LAYOUTS), help='comma-separated subset of the layouts')
+        if m != 'convert':  # (convert: MHA, GQA and MQA)
+            q.add_argument('--layouts', default=','.join(ATTN_LAYOUTS), help='comma-separated subset of the layouts')
         q.add_argument('--readme', action='store_true', help="put the report's headline into README.md")
         q.add_argument('--out', default='results', help='folder for runs, reports and plots (default: results)')
         if m != 'cache':
@@ -591,10 +596,10 @@ def main(argv=None):
             return sorted(kind(x) for x in getattr(args, name).split(','))
         except ValueError:
             fail(f"--{name} {getattr(args, name)!r}: give comma-separated {'integers' if kind is int else 'numbers'}")
-    args.layouts = numbers('layouts', str)
-    if set(args.layouts) - set(ATTN_LAYOUTS):
-        fail(f"unknown layout(s) {sorted(set(args.layouts) - set(ATTN_LAYOUTS))}; choose from {', '.join(ATTN_LAYOUTS)}")
-    args.layouts = [a for a in ATTN_LAYOUTS if a in args.layouts]
+    layouts = numbers('layouts', str) if args.mode != 'convert' else []
+    if set(layouts) - set(ATTN_LAYOUTS):
+        fail(f"unknown layout(s) {sorted(set(layouts) - set(ATTN_LAYOUTS))}; choose from {', '.join(ATTN_LAYOUTS)}")
+    args.layouts = [a for a in ATTN_LAYOUTS if a in layouts]  # in the usual order
     if args.mode in ('train', 'convert') and args.max_iters is None:
         args.max_iters = 5000 if args.mode == 'train' and args.device != 'cpu' else 2000
     for name in ('max_iters', 'batch', 't', 'gen_tokens', 'n_layer', 'n_head', 'n_embd'):

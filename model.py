@@ -196,7 +196,7 @@ class Attention(nn.Module):
         self.resid_dropout = nn.Dropout(config.dropout)
 
     def heads(self, x, n):  # (B, L, n * d) -> (B, n, L, d)
-        return x.view(x.size(0), x.size(1), n, -1).transpose(1, 2)
+        return x.view(x.size(0), x.size(1), n, x.size(2) // n).transpose(1, 2)  # (not -1: a batch may be empty)
 
     def out(self, y):  # (B, nh, L, d) -> (B, L, n_embd)
         return self.resid_dropout(self.c_proj(y.transpose(1, 2).flatten(2)))

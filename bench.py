@@ -354,13 +354,13 @@ def roofline(layouts, sizes, batch, t, device, dtype, compile=False, rounds=15, 
         weights = sum(p.nbytes for p in model.parameters())
         runs[attn] = dict(steps=steps, bytes=weights + cache.nbytes, flops=step_flops(step), times={k: [] for k in steps})
     bandwidths, rates = [], []
-    for _ in range(rounds):
+    order = [(run, kind) for run in runs.values() for kind in run['steps']]
+    for r in range(rounds):
         bandwidth, rate = machine_floors(device, dtype)
         bandwidths.append(bandwidth)
         rates.append(rate)
-        for run in runs.values():
-            for kind, step in run['steps'].items():
-                run['times'][kind].append(timed(step, device, reps=1, warmup=False))
+        for run, kind in order[r % len(order):] + order[:r % len(order)]:  # each step first after the copy in turn
+            run['times'][kind].append(timed(run['steps'][kind], device, reps=1, warmup=False))
     bandwidth, rate = statistics.median(bandwidths), statistics.median(rates)
     for run in runs.values():
         run['ms'] = {kind: statistics.median(times) * 1000 for kind, times in run['times'].items()}
@@ -505,14 +505,14 @@ def decode_report(layouts, sizes, contexts, device, dtype, out, new, compile, ba
     text = (f"Machine: {machine()}. Model: {sizes['n_layer']} layers, {sizes['n_head']} heads, n_embd {sizes['n_embd']}, "
             f"MLA d_c {mla.kv_lora_rank} d_R {mla.rope_head_dim}, random init, {str(dtype).replace('torch.', '')}, "
             f"device {device}, {how}.\n\n**Roofline of one decode step**\n\n" + roofline_table(runs, bandwidth, rate, batch, t) +
-            f"\n![decode step vs bytes read]({os.path.join(out, 'roofline.png')})\n" + MORE +
+            f"\n![decode step vs bytes read](roofline.png)\n" + MORE +
             "\n**Decode cost vs context**, batch 1, eager, ms per generated token (cached / without cache):\n\n" +
             "\n".join(rows) + "\n")
     lo = min(contexts, key=lambda c: abs(c - 128))
     if 'linear' in layouts and lo < max(contexts):
         ratio = costs['linear', max(contexts)][0] / costs['linear', lo][0]
         text += f"\nLinear attention, cached ms/token at t={max(contexts)} / at t={lo}: **{ratio:.2f}**\n"
-    return text + (f"\n![decode cost vs context]({os.path.join(out, 'decode.png')})\n"
+    return text + (f"\n![decode cost vs context](decode.png)\n"
                    f"\n**Generation, {new} new tokens after a 16-token prompt, block 256, greedy** (the best of two "
                    "runs each way):\n\n" + generation(layouts, sizes, device, dtype, compile, new=new))
 
@@ -532,7 +532,7 @@ def train_report(args):
         body += ("\nTraining-step time on the same recipe, models taking turns in one process "
                  "(median of 6 rounds x 20 steps):\n\n| model | ms/step | vs nanoGPT |\n|---|---|---|\n" +
                  "".join(f"| {k} | {v:.2f} | {v / ms['nanoGPT']:.3f} |\n" for k, v in ms.items()))
-    return body + f"\n![val loss curves]({os.path.join(args.out, 'train_val_loss.png')})\n"
+    return body + f"\n![val loss curves](train_val_loss.png)\n"
 
 
 def convert_report(args):
@@ -543,13 +543,15 @@ def convert_report(args):
                         *(['--', *args.extra] if args.extra else [])])
     table, summary = convert_table(runs, args.max_iters, uptrain, args.lr)
     return (f"`{command}` on {machine()}: config/cpu.py (4 layers, 4 heads, 128 wide, block 64), seed 1337, val loss "
-            f"= mean of the same 200 val batches.\n\n" + summary + f"\n![conversion]({os.path.join(args.out, 'convert.png')})\n"
+            f"= mean of the same 200 val batches.\n\n" + summary + f"\n![conversion](convert.png)\n"
             + MORE + "\n**Every run**:\n\n" + table)
 
 
 def readme_section(mode, report, out='results'):
-    """What README.md shows of a report: its headline, and where the whole of it is."""
-    return report.split(MORE)[0] + f"\nThe whole report: [{out}/{mode}.md]({out}/{mode}.md).\n"
+    """What README.md shows of a report: its headline, its plots' links made relative to the README, and where
+    the whole of it is."""
+    headline = re.sub(r"(!\[[^]]*\]\()", rf"\g<1>{out}/", report.split(MORE)[0])
+    return headline + f"\nThe whole report: [{out}/{mode}.md]({out}/{mode}.md).\n"
 
 
 class Parser(argparse.ArgumentParser):
@@ -558,14 +560,15 @@ class Parser(argparse.ArgumentParser):
 
 
 def main(argv=None):
-    memory_errors_in_one_line()  # e.g. --t too large for this machine
+    memory_errors_in_one_line('--batch, --t, --contexts, --n_embd, --n_layer')  # e.g. --t too large here
     p = Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest='mode', required=True)
     modes = {'cache': 'cache bytes per token, formula vs measured; the 7B table',
              'train': 'train every layout on one recipe: losses, ms/iter, val-loss curves',
-             'decode': 'decode roofline, decode cost vs context, generation with and without the cache',
+             'decode': 'decode roofline, cost vs context, generation with/without the cache (defaults: ~10 min, 2 cores)',
              'convert': 'MHA -> GQA/MQA by mean-pooling, with and without uptraining, vs from scratch'}
-    parsers = {m: sub.add_parser(m, help=h) for m, h in modes.items()}
+    parsers = {m: sub.add_parser(m, help=h, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+               for m, h in modes.items()}
     for m, q in parsers.items():
         if m != 'convert':  # (convert: MHA, GQA and MQA)
             q.add_argument('--layouts', default=','.join(ATTN_LAYOUTS), help='comma-separated subset of the layouts')

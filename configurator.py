@@ -37,13 +37,13 @@ def check_device(device, dtype):
         fail(f"device={device!r} but CUDA is not available here; use --device=cpu")
 
 
-def memory_errors_in_one_line():
+def memory_errors_in_one_line(sizes='batch_size, block_size, the model'):
     """Out of memory (a size too large for this machine) is one line on stderr, not a traceback."""
     default = sys.excepthook
 
     def hook(kind, e, tb):
         if issubclass(kind, MemoryError) or re.search(r"out of memory|can't allocate memory", str(e)):
-            print(f"error: out of memory ({describe(e)}); try smaller sizes (batch_size, block_size, the model)",
+            print(f"error: out of memory ({describe(e)}); try smaller sizes ({sizes})",
                   file=sys.stderr, flush=True)
             os._exit(2)  # as every other bad input
         else:

@@ -444,7 +444,8 @@ class GPT(nn.Module):
 
     def init_cache(self, batch_size, dtype=None, device=None, static=False):
         """An empty cache for batch_size sequences of up to block_size tokens. static=True: every step attends
-        over the whole capacity under a mask, so its shapes never change (for torch.compile / CUDA graphs)."""
+        over the whole capacity under a mask, so its shapes never change (for torch.compile / CUDA graphs); its
+        position is never read on the host, so block_size is the caller's to keep (stream() does)."""
         p = self.lm_head.weight
         return Cache([block.attn.init_cache(batch_size, self.config.block_size, dtype or p.dtype, device or p.device)
                       for block in self.transformer.h], static)

@@ -77,7 +77,7 @@ block_size = 256                # context length
 n_layer = 6                     # transformer blocks
 n_head = 6                      # query heads
 n_embd = 384                    # model width
-dropout = 0.2
+dropout = 0.2                   # dropout probability (embeddings, attention, residuals)
 bias = False                    # biases in Linears and LayerNorms (GPT-2 had them)
 attn = 'mha'                    # mha, gqa, mqa, mla or linear
 n_kv_head = 0                   # K/V heads of mha/gqa/mqa; 0 = n_head / smallest divisor > 1 / 1
@@ -91,17 +91,17 @@ match_mha_params = False        # widen/narrow the MLP to MHA's parameter count
 # AdamW and the learning-rate schedule (linear warmup, cosine decay to min_lr)
 learning_rate = 1e-3            # peak learning rate
 max_iters = 5000                # training iterations in all (a resume continues up to it)
-weight_decay = 1e-1
-beta1 = 0.9
-beta2 = 0.99
+weight_decay = 1e-1             # AdamW decay of 2-D weights (not biases, norms)
+beta1 = 0.9                     # AdamW betas
+beta2 = 0.99                    # (0.99: small batches, as nanoGPT's shakespeare_char)
 grad_clip = 1.0                 # 0 = off
-decay_lr = True
-warmup_iters = 100
-lr_decay_iters = 5000
-min_lr = 1e-4
+decay_lr = True                 # False = constant learning_rate after the warmup
+warmup_iters = 100              # linear warmup from 0 to learning_rate
+lr_decay_iters = 5000           # cosine decay reaches min_lr here (~max_iters)
+min_lr = 1e-4                   # the learning rate at and after lr_decay_iters
 # system
-device = 'cuda' if torch.cuda.is_available() else 'cpu'
-dtype = 'bfloat16' if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else 'float16' if torch.cuda.is_available() else 'float32'
+device = 'cuda' if torch.cuda.is_available() else 'cpu'  # cpu, cuda or cuda:N
+dtype = 'bfloat16' if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else 'float16' if torch.cuda.is_available() else 'float32'  # autocast dtype
 compile = False                 # torch.compile the model
 backend = ''                    # '' = nccl on CUDA, gloo on CPU
 seed = 1337                     # every random draw of training is a function of (seed, rank, iteration)

@@ -88,13 +88,13 @@ class GPTConfig:
 # ----------------------------------------------------------------------------------------------
 # What the layouts share: RoPE, the causal attention call, the caches.
 
-def rope_table(dim, length, base):
-    """(length, 2, dim) for positions 0..length-1: cos(pos theta_i) and the signed sin (-sin, +sin) of
-    angle pos theta_i, theta_i = base^(-2i/dim), each repeated for its pair (x[2i], x[2i+1]). float32, the
-    angles computed in float64 (in float32 their error grows with the position, ~1e-4 rad at 2048)."""
-    inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
-    angles = torch.outer(torch.arange(length, dtype=torch.float64), inv_freq).repeat_interleave(2, dim=1)
-    sign = torch.tensor([-1.0, 1.0], dtype=torch.float64).repeat(dim // 2)
+def rope_table(dim, positions, base):
+    """(L, 2, dim) at positions (L,): cos(pos theta_i) and the signed sin (-sin, +sin) of angle pos theta_i,
+    theta_i = base^(-2i/dim), each repeated for its pair (x[2i], x[2i+1]). float32, the angles computed in
+    float64 (in float32 their error grows with the position, ~1e-4 rad at 2048)."""
+    inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float64, device=positions.device) / dim))
+    angles = torch.outer(positions.double(), inv_freq).repeat_interleave(2, dim=1)
+    sign = 1.0 - 2.0 * (torch.arange(dim, device=positions.device) % 2 == 0)  # -1, +1, -1, ...
     return torch.stack([angles.cos(), angles.sin() * sign], dim=1).float()
 
 
@@ -410,10 +410,8 @@ class GPT(nn.Module):
         ))
         if config.pos_emb == 'learned':
             self.transformer.wpe = nn.Embedding(config.block_size, config.n_embd)
-        rope_dim = config.rope_head_dim if config.attn == 'mla' else config.head_dim  # linear attention: no RoPE
-        uses_rope = config.pos_emb == 'rope' and config.attn != 'linear'  # one table, indexed by every layer
-        self.register_buffer('rope_table', rope_table(rope_dim, config.block_size, config.rope_base)
-                             if uses_rope else None, persistent=False)
+        uses_rope = config.pos_emb == 'rope' and config.attn != 'linear'  # linear attention: no RoPE
+        self.rope_dim = (config.rope_head_dim if config.attn == 'mla' else config.head_dim) if uses_rope else 0
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
         self.transformer.wte.weight = self.lm_head.weight  # weight tying
         self.apply(self._init_weights)
@@ -436,11 +434,9 @@ class GPT(nn.Module):
             torch.nn.init.normal_(module.weight, mean=0.0, std=0.02)
 
     def rope(self, positions):
-        """RoPE's table (L, 2, d) at positions (L,), or None with learned positions."""
-        if self.rope_table is None:
-            return None
-        table = self.rope_table[positions]
-        return table.to(torch.promote_types(table.dtype, torch.float32))  # float32 at least, even in a 16-bit model
+        """RoPE's cos/sin (L, 2, d) at positions (L,), shared by every layer, or None without RoPE. Made for each
+        forward, in float32: a buffer would be rounded to 16 bits with the model."""
+        return rope_table(self.rope_dim, positions, self.config.rope_base) if self.rope_dim else None
 
     def init_cache(self, batch_size, dtype=None, device=None, static=False):
         """An empty cache for batch_size sequences of up to block_size tokens. static=True: every step attends

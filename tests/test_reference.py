@@ -32,7 +32,7 @@ def rope_ref(x, positions, base, theta_exp=1.0, sign=1.0):
 
 def model_rope(x, positions, base=10000.0):
     """The model's RoPE: its table rows at the given positions, applied by its apply_rope."""
-    return apply_rope(x, rope_table(x.size(-1), int(positions.max()) + 1, base)[positions])
+    return apply_rope(x, rope_table(x.size(-1), positions, base))
 
 
 ROPE_BUGS = {  # broken copies of RoPE that keep it self-consistent (cached == uncached still holds)

@@ -177,9 +177,10 @@ class Cache:
         return sum(layer.nbytes(len(self)) for layer in self.layers)
 
     def reset(self):
-        """Empty again, buffers kept: the counter to 0 (in place for a tensor), the buffers to zeros."""
+        """Empty again, buffers kept: the counter to 0 (in place for a tensor), linear attention's state to zeros
+        (K/V past the counter are never read, or masked: no need to clear them)."""
         self.pos = self.pos.zero_() if torch.is_tensor(self.pos) else 0
-        for b in (b for layer in self.layers for b in layer.bufs):
+        for b in (b for layer in self.layers if not layer.grows for b in layer.bufs):
             b.zero_()
 
 

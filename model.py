@@ -6,7 +6,6 @@ S = T + 1 keys. k_j, v_j depend only on tokens <= j, so each layout caches them 
 """
 
 import math
-import inspect
 from dataclasses import dataclass, replace
 
 import torch
@@ -53,8 +52,7 @@ class GPTConfig:
         allowed = {'mha': [h], 'mqa': [1], 'gqa': [d for d in range(2, h) if h % d == 0]}.get(self.attn, [h])
         self.n_kv_head = self.n_kv_head or (allowed + [0])[0]  # 0 = the layout's default
         if self.n_kv_head not in allowed:
-            self.bad('n_kv_head', f"attn={self.attn!r} with n_head={h} allows {allowed} "
-                                  "(gqa: a divisor of n_head strictly between 1 and n_head)")
+            self.bad('n_kv_head', f"attn={self.attn!r} with n_head={h} allows {allowed} (gqa: divisors 1 < d < n_head)")
         self.kv_lora_rank = self.kv_lora_rank or 4 * self.head_dim  # 0 = the paper's ratios to head_dim
         self.rope_head_dim = self.rope_head_dim or max(2, self.head_dim // 4 * 2)
         if self.attn == 'mla' and self.rope_head_dim % 2:
@@ -62,8 +60,7 @@ class GPTConfig:
         if self.pos_emb == 'rope' and self.attn in ('mha', 'gqa', 'mqa') and self.head_dim % 2:
             self.bad('n_embd', f"n_embd / n_head = {self.head_dim} must be even for RoPE (or use pos_emb='learned')")
         if self.match_mha_params and mlp_hidden(self) < 1:
-            self.bad('match_mha_params', f"the MLP would need {mlp_hidden(self)} units to match MHA's parameter "
-                                         "count; lower kv_lora_rank / q_lora_rank, or set it False")
+            self.bad('match_mha_params', f"the MLP would need {mlp_hidden(self)} units; lower kv_lora_rank, q_lora_rank")
 
     def bad(self, field, rule):
         raise ValueError(f"GPTConfig.{field}={getattr(self, field)!r} is invalid: {rule}")
@@ -78,20 +75,17 @@ class GPTConfig:
                      'linear': self.n_head * self.head_dim * (self.head_dim + 1)}  # S and z, whatever T
         return self.n_layer * per_layer.get(self.attn, 2 * self.n_kv_head * self.head_dim * T)
 
-    def cache_bytes(self, T, dtype=torch.float32):
-        """Bytes of cache_elements(T) in dtype; linear attention keeps its state in float32 at least."""
-        if self.attn == 'linear':
-            dtype = torch.promote_types(dtype, torch.float32)
-        return self.cache_elements(T) * dtype.itemsize
+    def cache_bytes(self, T, dtype=torch.float32):  # linear attention keeps its state in float32 at least
+        linear = self.attn == 'linear'
+        return self.cache_elements(T) * (torch.promote_types(dtype, torch.float32) if linear else dtype).itemsize
 
 
 # ----------------------------------------------------------------------------------------------
 # What the layouts share: RoPE, the causal attention call, the caches.
 
 def rope_table(dim, positions, base):
-    """(L, 2, dim) at positions (L,): cos(pos theta_i) and the signed sin (-sin, +sin) of angle pos theta_i,
-    theta_i = base^(-2i/dim), each repeated for its pair (x[2i], x[2i+1]). float32, the angles computed in
-    float64 (in float32 their error grows with the position, ~1e-4 rad at 2048)."""
+    """(L, 2, dim): cos and signed sin (-sin, +sin) of pos * base^(-2i/dim) for each pair (x[2i], x[2i+1]).
+    The angles in float64: in float32 their error grows with the position (~1e-4 rad at 2048)."""
     inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float64, device=positions.device) / dim))
     angles = torch.outer(positions.double(), inv_freq).repeat_interleave(2, dim=1)
     sign = 1.0 - 2.0 * (torch.arange(dim, device=positions.device) % 2 == 0)  # -1, +1, -1, ...
@@ -99,8 +93,7 @@ def rope_table(dim, positions, base):
 
 
 def apply_rope(x, rope):
-    """Rotate each pair (x[2i], x[2i+1]) of x (..., L, d) by its position's angle (interleaved layout), in
-    float32 at least: (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin). rope: (L, 2, d) from rope_table, or None."""
+    """(x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin) for each pair of x (..., L, d), in float32 at least."""
     if rope is None:
         return x
     cos, sin = rope.unbind(-2)  # real arithmetic, not a complex product: torch.compile cannot fuse complex ops
@@ -123,27 +116,24 @@ def attend(q, k, v, scale=None, dropout_p=0.0, mask=None):
                                               enable_gqa=H != H_kv)
     if mask is None and L > 1:
         mask = torch.ones(L, S, dtype=torch.bool, device=q.device).tril(S - L)  # query i sees keys <= S - L + i
+    G = H // H_kv if L == 1 else 1  # decode: a group's G query heads become G queries of its one K/V head
     with sdpa_kernel(DECODE_BACKENDS):
-        if L == 1:  # decode: a group's G query heads become G queries of its one K/V head (the mask broadcasts)
-            y = F.scaled_dot_product_attention(q.reshape(B, H_kv, H // H_kv, D), k, v, attn_mask=mask,
-                                               dropout_p=dropout_p, scale=scale)
-            return y.reshape(B, H, 1, v.size(-1))  # reshape, not view: the output's strides depend on the backend
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, scale=scale,
-                                              enable_gqa=H != H_kv)
+        y = F.scaled_dot_product_attention(q.reshape(B, H // G, G * L, D), k, v, attn_mask=mask, dropout_p=dropout_p,
+                                           scale=scale, enable_gqa=G == 1 and H != H_kv)
+    return y.reshape(B, H, L, v.size(-1))  # reshape, not view: the output's strides depend on the backend
 
 
 class LayerCache:
-    """One layer's preallocated buffers, never resized: K and V (B, n_kv, capacity, hs) for mha/gqa/mqa, one
-    [latent | rope key] (B, 1, capacity, d_c + d_R) for MLA; or linear attention's state, fixed in size."""
+    """One layer's buffers, allocated once: K and V (B, n_kv, capacity, hs), MLA's [latent | rope key]
+    (B, 1, capacity, d_c + d_R), or linear attention's state (grows=False)."""
 
     def __init__(self, shapes, dtype, device, grows=True):
         self.bufs = [torch.zeros(s, dtype=dtype, device=device) for s in shapes]
         self.grows = grows  # along time (dim 2); a state does not
 
     def update(self, pos, *xs):
-        """Write xs (B, heads, L, dim) at positions [pos, pos + L); return the buffers and the (L, S) mask.
-        An int pos (eager): the filled part [:pos + L], mask None (causal), a cost that grows with t.
-        A tensor pos (static shapes, one graph for every step): the whole buffers, the filled part unmasked."""
+        """Write xs (B, heads, L, dim) at [pos, pos + L); return the buffers to attend to and their (L, S) mask:
+        an int pos gives the filled part (mask None: causal), a tensor pos the whole buffers, unfilled masked."""
         L = xs[0].size(2)
         if not torch.is_tensor(pos):
             for buf, x in zip(self.bufs, xs):
@@ -154,13 +144,10 @@ class LayerCache:
             buf.index_copy_(2, positions, x)
         return *self.bufs, torch.arange(self.bufs[0].size(2), device=pos.device) <= positions[:, None]
 
-    def nbytes(self, n):  # of the first n positions (the filled part), or the whole state
-        return sum((b[:, :, :n] if self.grows else b).numel() * b.element_size() for b in self.bufs)
-
 
 class Cache:
-    """Every layer's cache plus the one position counter, advanced by GPT.forward after the last layer: an int,
-    or with static=True a device tensor, so that a compiled decode step is one graph (CUDA graphs) at every t."""
+    """Every layer's cache and the position counter GPT.forward advances: an int, or (static=True) a device
+    tensor, so that a compiled decode step is one graph (one CUDA graph) at every position."""
 
     def __init__(self, layers, static=False):
         self.layers = layers
@@ -173,12 +160,12 @@ class Cache:
         return int(self.pos)
 
     @property
-    def nbytes(self):
-        return sum(layer.nbytes(len(self)) for layer in self.layers)
+    def nbytes(self):  # of the filled positions (all of a state)
+        n = len(self)
+        return sum((b[:, :, :n] if l.grows else b).numel() * b.element_size() for l in self.layers for b in l.bufs)
 
     def reset(self):
-        """Empty again, buffers kept: the counter to 0 (in place for a tensor), linear attention's state to zeros
-        (K/V past the counter are never read, or masked: no need to clear them)."""
+        """Empty again, buffers kept; only linear attention's state is zeroed (K/V past pos are never read)."""
         self.pos = self.pos.zero_() if torch.is_tensor(self.pos) else 0
         for b in (b for layer in self.layers if not layer.grows for b in layer.bufs):
             b.zero_()
@@ -188,8 +175,7 @@ class Cache:
 # The attention layouts: same forward(x, rope, pos, cache) and init_cache(batch, capacity, dtype, device)
 
 class Attention(nn.Module):
-    """What the layouts share: n_head heads of head_dim, splitting and merging them, the output projection
-    c_proj (made by each layout after its own projections: the init draws weights in that order)."""
+    """What the layouts share: splitting heads, merging them into c_proj (each layout makes c_proj last)."""
 
     def __init__(self, config):
         super().__init__()
@@ -204,8 +190,7 @@ class Attention(nn.Module):
 
 
 class CausalSelfAttention(Attention):
-    """MHA / GQA / MQA: n_head query heads in groups of n_head / n_kv_head share one K/V head.
-    Only the n_kv_head K/V heads are computed and cached."""
+    """MHA / GQA / MQA: groups of n_head / n_kv_head query heads share a K/V head; only those are cached."""
 
     def __init__(self, config):
         super().__init__(config)
@@ -236,12 +221,6 @@ def phi(x):
     return torch.where(x >= 0, x + 1, torch.exp(x.clamp(max=0)))
 
 
-def linear_parallel(q, k, v, eps=1e-6):
-    """Reference form, quadratic: O = (A V) / (A 1) with A = tril(phi(Q) phi(K)ᵀ). q, k are phi'd."""
-    A = (q @ k.transpose(-2, -1)).tril()  # (B, nh, T, T), diagonal included
-    return (A @ v) / (A.sum(-1, keepdim=True) + eps)
-
-
 def linear_recurrent(q, k, v, state, eps=1e-6):
     """RNN form (decode): S_t = S_{t-1} + k_t v_tᵀ, z_t = z_{t-1} + k_t, o_t = q_tᵀ S_t / (q_tᵀ z_t)."""
     S, z = state  # (B, nh, hs, hs), (B, nh, hs)
@@ -254,8 +233,8 @@ def linear_recurrent(q, k, v, state, eps=1e-6):
 
 
 def linear_chunked(q, k, v, chunk_size, state, eps=1e-6):
-    """Chunkwise-parallel form (training, prefill): masked quadratic inside a chunk, the recurrent state
-    between chunks. chunk_size 1 is the recurrent form, chunk_size >= T the parallel one."""
+    """Training, prefill: the parallel form A = tril(phi(Q) phi(K)ᵀ), O = (A V) / (A 1) inside each chunk, the
+    recurrent state between chunks. chunk_size 1 is the recurrent form, chunk_size >= T the parallel one."""
     B, H, T, D = q.shape
     C = chunk_size
     N = -(-T // C)
@@ -273,9 +252,8 @@ def linear_chunked(q, k, v, chunk_size, state, eps=1e-6):
 
 
 class LinearAttention(CausalSelfAttention):
-    """Linear attention, phi(x) = elu(x) + 1 and no softmax: an RNN whose state is fixed in size.
-    No RoPE: rotating phi(q), phi(k) would break the positivity the denominator relies on; order
-    comes from causality (and from pos_emb='learned' if chosen). State and division in float32."""
+    """phi(x) = elu(x) + 1 and no softmax: an RNN with a fixed-size state, kept in float32. No RoPE: rotating
+    phi(q), phi(k) would break the positive denominator; order comes from causality (or pos_emb='learned')."""
 
     def __init__(self, config):
         super().__init__(config)
@@ -310,12 +288,10 @@ class MultiHeadLatentAttention(Attention):
         super().__init__(config)
         H, self.dh, self.dR, self.dc = config.n_head, config.head_dim, config.rope_head_dim, config.kv_lora_rank
         q_out = H * (self.dh + self.dR)  # per head: [nope | rope] query
-        if config.q_lora_rank:
-            self.c_q = nn.Sequential(nn.Linear(config.n_embd, config.q_lora_rank, bias=config.bias),
-                                     nn.RMSNorm(config.q_lora_rank, eps=1e-6),
-                                     nn.Linear(config.q_lora_rank, q_out, bias=config.bias))
-        else:
-            self.c_q = nn.Linear(config.n_embd, q_out, bias=config.bias)
+        r = config.q_lora_rank  # queries through a normed low-rank bottleneck (W_DQ, W_UQ) too, or straight
+        self.c_q = (nn.Sequential(nn.Linear(config.n_embd, r, bias=config.bias), nn.RMSNorm(r, eps=1e-6),
+                                  nn.Linear(r, q_out, bias=config.bias)) if r else
+                    nn.Linear(config.n_embd, q_out, bias=config.bias))
         self.kv_down = nn.Linear(config.n_embd, self.dc + self.dR, bias=config.bias)  # W_DKV and W_KR stacked
         self.kv_norm = nn.RMSNorm(self.dc, eps=1e-6)
         self.k_up = nn.Linear(self.dc, H * self.dh, bias=False)  # W_UK; no bias: absorbed at decode
@@ -336,14 +312,12 @@ class MultiHeadLatentAttention(Attention):
                            latent[..., dc:].expand(B, H, L, dR)], dim=-1)   # (B, nh, L, dh + dR)
             v = self.heads(self.v_up(latent[:, 0, :, :dc]), H)              # (B, nh, L, dh)
             y = attend(q, k, v, self.scale, dropout_p)                      # (B, nh, L, dh)
-        else:  # with a cache (prefill, chunks, decode): W_UK folded into q, attention over the cached latents,
-            # W_UV after; no K, V formed
+        else:  # with a cache: W_UK folded into q, attention over the cached latents, W_UV after; no K, V formed
             latent, mask = cache.update(pos, latent)                        # (B, 1, S, dc + dR)
             q_lat = torch.einsum('bhld,hdc->bhlc', q[..., :dh], self.k_up.weight.view(H, dh, dc))
             q = torch.cat([q_lat, q[..., dh:]], dim=-1)                     # (B, nh, L, dc + dR)
-            # MQA with one key [c | k_R] and value c; the value is passed whole and its k_R columns dropped after,
-            # so K and V have one head dim and the fused kernel reads the cache once (else: a math kernel that
-            # rescales the whole cache every step)
+            # MQA with key [c | k_R] and value c, passed whole (k_R's columns dropped after): with one head dim
+            # for K and V the fused kernel reads the cache once (else a math kernel rescales it every step)
             y = attend(q, latent, latent, self.scale, dropout_p, mask)[..., :dc]  # (B, nh, L, dc)
             y = torch.einsum('bhlc,hdc->bhld', y, self.v_up.weight.view(H, dh, dc))  # (B, nh, L, dh)
         return self.out(y)
@@ -359,11 +333,10 @@ ATTENTION = {'mha': CausalSelfAttention, 'gqa': CausalSelfAttention, 'mqa': Caus
 
 
 def mlp_hidden(config):
-    """4 * n_embd; with match_mha_params, the width at which the whole model has as many parameters as
-    MHA at the same sizes (the attention blocks are counted on the meta device, nothing allocated)."""
+    """4 * n_embd, or (match_mha_params) the width that gives the model MHA's parameter count."""
     if not config.match_mha_params:
         return 4 * config.n_embd
-    with torch.device('meta'):
+    with torch.device('meta'):  # counted, nothing allocated
         count = lambda cfg: sum(p.numel() for p in ATTENTION[cfg.attn](cfg).parameters())
         extra = count(replace(config, attn='mha', n_kv_head=0, match_mha_params=False)) - count(config)
     return 4 * config.n_embd + round(extra / (2 * config.n_embd + config.bias))  # c_fc row + c_proj column
@@ -427,29 +400,24 @@ class GPT(nn.Module):
         return n_params
 
     def _init_weights(self, module):
-        if isinstance(module, nn.Linear):
+        if isinstance(module, (nn.Linear, nn.Embedding)):
             torch.nn.init.normal_(module.weight, mean=0.0, std=0.02)
-            if module.bias is not None:
-                torch.nn.init.zeros_(module.bias)
-        elif isinstance(module, nn.Embedding):
-            torch.nn.init.normal_(module.weight, mean=0.0, std=0.02)
+        if isinstance(module, nn.Linear) and module.bias is not None:
+            torch.nn.init.zeros_(module.bias)
 
     def rope(self, positions):
-        """RoPE's cos/sin (L, 2, d) at positions (L,), shared by every layer, or None without RoPE. Made for each
-        forward, in float32: a buffer would be rounded to 16 bits with the model."""
+        """RoPE's (L, 2, d) table for every layer, or None; made per forward (a buffer would be cast to 16 bits)."""
         return rope_table(self.rope_dim, positions, self.config.rope_base) if self.rope_dim else None
 
     def init_cache(self, batch_size, dtype=None, device=None, static=False):
-        """An empty cache for batch_size sequences of up to block_size tokens. static=True: every step attends
-        over the whole capacity under a mask, so its shapes never change (for torch.compile / CUDA graphs); its
-        position is never read on the host, so block_size is the caller's to keep (stream() does)."""
+        """An empty cache for batch_size sequences of up to block_size tokens. static=True: fixed shapes for
+        torch.compile / CUDA graphs; its position is never read on the host, so block_size is the caller's to keep."""
         p = self.lm_head.weight
         return Cache([block.attn.init_cache(batch_size, self.config.block_size, dtype or p.dtype, device or p.device)
                       for block in self.transformer.h], static)
 
     def forward(self, idx, targets=None, cache=None):
-        """idx (B, L). Without a cache: tokens at positions 0..L-1. With one: L new tokens continuing
-        from the len(cache) it holds, appended to it; logits for all L positions are returned."""
+        """idx (B, L): tokens at positions 0..L-1, or with a cache the L tokens after the len(cache) it holds."""
         B, L = idx.size()
         pos = cache.pos if cache is not None else 0  # a tensor for a static cache: never read on the host
         if not torch.is_tensor(pos) and pos + L > self.config.block_size:
@@ -465,29 +433,12 @@ class GPT(nn.Module):
         if cache is not None:
             cache.pos += L  # once, after the last layer (in place for a tensor)
         x = self.transformer.ln_f(x)
-        if targets is not None:
-            logits = self.lm_head(x)
-            loss = F.cross_entropy(logits.view(-1, logits.size(-1)), targets.reshape(-1), ignore_index=-1)
-        elif cache is not None:
-            logits, loss = self.lm_head(x), None
-        else:  # inference shortcut: only the last position
-            logits, loss = self.lm_head(x[:, [-1], :]), None
+        if targets is None and cache is None:  # inference shortcut: only the last position
+            x = x[:, [-1], :]
+        logits = self.lm_head(x)
+        loss = None if targets is None else F.cross_entropy(logits.view(-1, logits.size(-1)), targets.reshape(-1),
+                                                            ignore_index=-1)
         return logits, loss
-
-    def configure_optimizers(self, weight_decay, learning_rate, betas, device_type):
-        params = [p for p in self.parameters() if p.requires_grad]
-        decay = [p for p in params if p.dim() >= 2]  # matmul weights and embeddings decay; biases, norms don't
-        nodecay = [p for p in params if p.dim() < 2]
-        groups = [{'params': decay, 'weight_decay': weight_decay}, {'params': nodecay, 'weight_decay': 0.0}]
-        use_fused = 'fused' in inspect.signature(torch.optim.AdamW).parameters and device_type == 'cuda'
-        return torch.optim.AdamW(groups, lr=learning_rate, betas=betas, **(dict(fused=True) if use_fused else {}))
-
-    def estimate_mfu(self, fwdbwd_per_iter, dt, peak_flops=312e12):
-        """Model flops utilization vs peak_flops (A100 bf16 by default); PaLM's 6N + 12 L H Q T per
-        token, which counts attention as MHA's (an approximation for mla and linear)."""
-        N, cfg = self.get_num_params(), self.config
-        flops_per_token = 6 * N + 12 * cfg.n_layer * cfg.n_head * cfg.head_dim * cfg.block_size
-        return flops_per_token * cfg.block_size * fwdbwd_per_iter / dt / peak_flops
 
     @torch.no_grad()
     def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None, top_p=None, use_cache=True):
@@ -496,28 +447,25 @@ class GPT(nn.Module):
 
     @torch.inference_mode()
     def stream(self, idx, max_new_tokens, temperature=1.0, top_k=None, top_p=None, use_cache=True, cache=None):
-        """Yield the new tokens (B, 1) one step at a time. The model sees a window of at most block_size
-        tokens; when it is full it slides forward, keeping its last half, and positions restart at 0.
-        Both paths use this window, so with and without the cache the tokens are the same, past
-        block_size too; with the cache a slide costs one re-prefill. Pass a cache to inspect it after."""
+        """Yield the new tokens (B, 1) one step at a time. The model sees a window of at most block_size tokens;
+        when it is full it slides forward, keeping its last half, positions restarting at 0: with and without
+        the cache the tokens are the same. Pass a cache to inspect it after."""
         if idx.size(1) == 0:
             raise ValueError("empty prompt: generation needs at least one token to condition on")
         block_size = self.config.block_size
         start = max(0, idx.size(1) - block_size)  # idx[:, start:] is the window
         new = idx[:, start:]  # the tokens the cache has not seen: the window, then 1 token a step
-        if use_cache:
-            cache = self.init_cache(idx.size(0)) if cache is None else cache
+        cache = (self.init_cache(idx.size(0)) if cache is None else cache) if use_cache else None
+        if cache is not None:
             cache.reset()
         for _ in range(max_new_tokens):
-            if idx.size(1) - start > block_size:
+            if idx.size(1) - start > block_size:  # the window is full: slide it (with the cache: a re-prefill)
                 start = idx.size(1) - max(1, block_size // 2)
                 new = idx[:, start:]
-                if use_cache:
+                if cache is not None:
                     cache.reset()
-            if use_cache:
-                logits, _ = self(new, cache=cache)  # prefill, then decode
-            else:
-                logits, _ = self(idx[:, start:])  # re-run the whole window
+            # with the cache: a prefill, then 1 token a step; without: the whole window again
+            logits, _ = self(new, cache=cache) if cache is not None else self(idx[:, start:])
             new = sample(logits[:, -1, :].float(), temperature, top_k, top_p)  # (B, 1)
             idx = torch.cat((idx, new), dim=1)
             yield new
@@ -532,8 +480,7 @@ def sample(logits, temperature=1.0, top_k=None, top_p=None):
         v, _ = torch.topk(logits, min(top_k, logits.size(-1)))
         logits = logits.masked_fill(logits < v[:, [-1]], -float('inf'))
     if top_p is not None:  # keep the smallest set of tokens whose probability reaches top_p
-        sorted_logits, order = torch.sort(logits, descending=True)
-        cum = sorted_logits.softmax(-1).cumsum(-1)
-        drop = cum - sorted_logits.softmax(-1) >= top_p  # mass before this token already reaches top_p
+        probs, order = logits.softmax(-1).sort(descending=True)
+        drop = probs.cumsum(-1) - probs >= top_p  # mass before this token already reaches top_p
         logits = logits.masked_fill(torch.zeros_like(drop).scatter(1, order, drop), -float('inf'))
     return torch.multinomial(F.softmax(logits, dim=-1), num_samples=1)

@@ -308,7 +308,10 @@ if converting:
           f"{gptconf.n_kv_head} K/V heads by mean-pooling")
 model.to(device)
 scaler = torch.amp.GradScaler(device_type, enabled=(dtype == 'float16' and device_type == 'cuda'))
-optimizer = model.configure_optimizers(weight_decay, learning_rate, (beta1, beta2), device_type)
+decay = [p for p in model.parameters() if p.dim() >= 2]  # nanoGPT's AdamW: matmul weights and embeddings decay,
+nodecay = [p for p in model.parameters() if p.dim() < 2]  # biases and norms do not
+optimizer = torch.optim.AdamW([{'params': decay, 'weight_decay': weight_decay}, {'params': nodecay, 'weight_decay': 0.0}],
+                              lr=learning_rate, betas=(beta1, beta2), fused=device_type == 'cuda')
 if init_from == 'resume':
     try:
         model.load_state_dict({k.removeprefix('_orig_mod.'): v for k, v in checkpoint['model'].items()})
@@ -320,9 +323,11 @@ raw_model = model
 if compile:
     model = torch.compile(model)
 if ddp:
-    # no buffer sync at each forward: the only buffer is the constant RoPE table, and rank 0 evaluates alone
+    # no buffer sync at each forward: the model has no buffers (RoPE is computed per forward)
     model = DDP(model, device_ids=[ddp_local_rank] if device_type == 'cuda' else None, forward_sync_buffers=False)
 cache_bytes_per_token = gptconf.cache_bytes(block_size, ptdtype) / block_size  # at block_size, inference dtype
+# model FLOPs utilization vs an A100's bf16 peak (312 TFLOPS): PaLM's 6N + 12 L H Q T FLOPs per token, as nanoGPT
+flops_per_token = 6 * raw_model.get_num_params() + 12 * gptconf.n_layer * gptconf.n_embd * block_size
 if master_process:
     print(f"tokens per iteration will be: {tokens_per_iter:,}")
     print(f"{gptconf.attn}: {raw_model.get_num_params() / 1e6:.2f}M parameters, "
@@ -597,7 +602,7 @@ while True:
     if iter_num % log_interval == 0 and master_process:
         lossf = loss.item() * gradient_accumulation_steps
         if local_iter_num >= 5:  # let the loop settle before measuring
-            mfu = raw_model.estimate_mfu(batch_size * gradient_accumulation_steps, dt)
+            mfu = flops_per_token * batch_size * gradient_accumulation_steps * block_size / dt / 312e12
             running_mfu = mfu if running_mfu == -1.0 else 0.9 * running_mfu + 0.1 * mfu
         measured = {'mfu': running_mfu * 100} if running_mfu >= 0 else {}  # nothing until it is measured
         print(f"iter {iter_num}: loss {lossf:.4f}, time {dt * 1000:.2f}ms, {tokens_per_iter / dt:,.0f} tok/s" +

@@ -65,6 +65,11 @@ def test_30_iterations_per_layout_loss_falls(tmp_path, char_data, attn):
     assert evals[-1]['train/loss'] < evals[0]['train/loss'] - 0.5
     ckpt = torch.load(tmp_path / 'ckpt.pt', weights_only=True)
     assert ckpt['model_args']['attn'] == attn and ckpt['iter_num'] == 30
+    opt = ckpt['optimizer']  # nanoGPT's AdamW groups: weights of 2 dims or more decay, biases and norms do not
+    decay, nodecay = opt['param_groups']
+    assert (decay['weight_decay'], nodecay['weight_decay']) == (0.1, 0.0) and decay['params'] and nodecay['params']
+    assert all(opt['state'][i]['exp_avg'].dim() >= 2 for i in decay['params'])
+    assert all(opt['state'][i]['exp_avg'].dim() < 2 for i in nodecay['params'])
     cfg = ckpt['model_args']
     expected = {'mha': 2 * 2 * 4 * 16, 'gqa': 2 * 2 * 2 * 16, 'mqa': 2 * 2 * 1 * 16, 'mla': (64 + 8) * 2}  # MLA at d_c = 4 head_dim, d_R = head_dim / 2
     if attn in expected:  # bytes per token at fp32, from the table

@@ -14,8 +14,6 @@ from torch.nn import functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 ATTN_LAYOUTS = ('mha', 'gqa', 'mqa', 'mla', 'linear')
-POS_EMBS = ('rope', 'learned')
-
 
 @dataclass
 class GPTConfig:
@@ -39,7 +37,7 @@ class GPTConfig:
     def __post_init__(self):
         whole = lambda least: (lambda v: isinstance(v, int) and v >= least, f"must be an integer >= {least}")
         rules = [('attn', lambda v: v in ATTN_LAYOUTS, f"must be one of {ATTN_LAYOUTS}"),  # (field, test, rule)
-                 ('pos_emb', lambda v: v in POS_EMBS, f"must be one of {POS_EMBS}"),
+                 ('pos_emb', lambda v: v in ('rope', 'learned'), "must be one of ('rope', 'learned')"),
                  *[(f, *whole(1)) for f in ('block_size', 'vocab_size', 'n_layer', 'n_head', 'n_embd', 'chunk_size')],
                  *[(f, *whole(0)) for f in ('n_kv_head', 'q_lora_rank', 'kv_lora_rank', 'rope_head_dim')],
                  ('dropout', lambda v: 0.0 <= v < 1.0, "must be in [0, 1)"),
@@ -79,7 +77,6 @@ class GPTConfig:
         linear = self.attn == 'linear'
         return self.cache_elements(T) * (torch.promote_types(dtype, torch.float32) if linear else dtype).itemsize
 
-
 # ----------------------------------------------------------------------------------------------
 # What the layouts share: RoPE, the causal attention call, the caches.
 
@@ -91,7 +88,6 @@ def rope_table(dim, positions, base):
     sign = 1.0 - 2.0 * (torch.arange(dim, device=positions.device) % 2 == 0)  # -1, +1, -1, ...
     return torch.stack([angles.cos(), angles.sin() * sign], dim=1).float()
 
-
 def apply_rope(x, rope):
     """(x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin) for each pair of x (..., L, d), in float32 at least."""
     if rope is None:
@@ -100,11 +96,9 @@ def apply_rope(x, rope):
     x32 = x.to(torch.promote_types(x.dtype, torch.float32))
     return (x32 * cos + x32.unflatten(-1, (-1, 2)).flip(-1).flatten(-2) * sin).type_as(x)
 
-
 # a new key length every decode step: never cuDNN attention there, which builds a plan per length (measured 10x
 # slower than no cache on an H200); the fused CPU kernel is FLASH_ATTENTION
 DECODE_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
-
 
 def attend(q, k, v, scale=None, dropout_p=0.0, mask=None):
     """softmax(q kᵀ * scale + mask) v. q (B, nh, L, d), k (B, n_kv, S, d), v (B, n_kv, S, dv); n_kv divides nh
@@ -121,7 +115,6 @@ def attend(q, k, v, scale=None, dropout_p=0.0, mask=None):
         y = F.scaled_dot_product_attention(q.reshape(B, H // G, G * L, D), k, v, attn_mask=mask, dropout_p=dropout_p,
                                            scale=scale, enable_gqa=G == 1 and H != H_kv)
     return y.reshape(B, H, L, v.size(-1))  # reshape, not view: the output's strides depend on the backend
-
 
 class LayerCache:
     """One layer's buffers, allocated once: K and V (B, n_kv, capacity, hs), MLA's [latent | rope key]
@@ -143,7 +136,6 @@ class LayerCache:
         for buf, x in zip(self.bufs, xs):
             buf.index_copy_(2, positions, x)
         return *self.bufs, torch.arange(self.bufs[0].size(2), device=pos.device) <= positions[:, None]
-
 
 class Cache:
     """Every layer's cache and the position counter GPT.forward advances: an int, or (static=True) a device
@@ -170,7 +162,6 @@ class Cache:
         for b in (b for layer in self.layers if not layer.grows for b in layer.bufs):
             b.zero_()
 
-
 # ----------------------------------------------------------------------------------------------
 # The attention layouts: same forward(x, rope, pos, cache) and init_cache(batch, capacity, dtype, device)
 
@@ -187,7 +178,6 @@ class Attention(nn.Module):
 
     def out(self, y):  # (B, nh, L, d) -> (B, L, n_embd)
         return self.resid_dropout(self.c_proj(y.transpose(1, 2).flatten(2)))
-
 
 class CausalSelfAttention(Attention):
     """MHA / GQA / MQA: groups of n_head / n_kv_head query heads share a K/V head; only those are cached."""
@@ -214,12 +204,10 @@ class CausalSelfAttention(Attention):
         shape = (batch_size, self.n_kv_head, capacity, self.head_dim)
         return LayerCache([shape, shape], dtype, device)
 
-
 def phi(x):
     """elu(x) + 1 > 0, computed in float32 at least: in bf16 elu(x) + 1 rounds to 0 near x = -8."""
     x = x.to(torch.promote_types(x.dtype, torch.float32))
     return torch.where(x >= 0, x + 1, torch.exp(x.clamp(max=0)))
-
 
 def linear_recurrent(q, k, v, state, eps=1e-6):
     """RNN form (decode): S_t = S_{t-1} + k_t v_tᵀ, z_t = z_{t-1} + k_t, o_t = q_tᵀ S_t / (q_tᵀ z_t)."""
@@ -230,7 +218,6 @@ def linear_recurrent(q, k, v, state, eps=1e-6):
         z = z + k[:, :, t]
         out.append((q[:, :, t, None] @ S).squeeze(2) / ((q[:, :, t] * z).sum(-1, keepdim=True) + eps))
     return torch.stack(out, dim=2), (S, z)
-
 
 def linear_chunked(q, k, v, chunk_size, state, eps=1e-6):
     """Training, prefill: the parallel form A = tril(phi(Q) phi(K)ᵀ), O = (A V) / (A 1) inside each chunk, the
@@ -250,7 +237,6 @@ def linear_chunked(q, k, v, chunk_size, state, eps=1e-6):
     out = (num / (den.unsqueeze(-1) + eps)).view(B, H, N * C, v.size(-1))[:, :, :T]
     return out, (S[:, :, -1] + kv[:, :, -1], z[:, :, -1] + ksum[:, :, -1])
 
-
 class LinearAttention(CausalSelfAttention):
     """phi(x) = elu(x) + 1 and no softmax: an RNN with a fixed-size state, kept in float32. No RoPE: rotating
     phi(q), phi(k) would break the positive denominator; order comes from causality (or pos_emb='learned')."""
@@ -264,11 +250,9 @@ class LinearAttention(CausalSelfAttention):
         q, k = phi(q), phi(k)  # float32 at least, and so are v, the state and the division:
         v = v.to(q.dtype)      # under 16-bit autocast the denominator would overflow fp16
         state = (self.init_cache(q.size(0), 0, q.dtype, q.device) if cache is None else cache).bufs  # [S, z]
-        with torch.autocast(q.device.type, enabled=False):
-            if q.size(2) == 1:  # decode: the recurrent form
-                y, new_state = linear_recurrent(q, k, v, state)
-            else:               # training, prefill: chunkwise-parallel, continuing from the state
-                y, new_state = linear_chunked(q, k, v, self.chunk_size, state)
+        with torch.autocast(q.device.type, enabled=False):  # decode: the recurrent form; else chunkwise-parallel
+            y, new_state = (linear_recurrent(q, k, v, state) if q.size(2) == 1 else
+                            linear_chunked(q, k, v, self.chunk_size, state))
         if cache is not None:
             for buf, new in zip(state, new_state):
                 buf.copy_(new)  # in place: the state keeps its address (CUDA graphs)
@@ -277,7 +261,6 @@ class LinearAttention(CausalSelfAttention):
     def init_cache(self, batch_size, capacity, dtype, device):
         S = (batch_size, self.n_head, self.head_dim, self.head_dim)  # S = sum phi(k) vᵀ and z = sum phi(k)
         return LayerCache([S, S[:-1]], torch.promote_types(dtype, torch.float32), device, grows=False)
-
 
 class MultiHeadLatentAttention(Attention):
     """DeepSeek-V2 MLA. K and V come from a small latent c = norm(W_DKV h), shared by all heads;
@@ -325,12 +308,11 @@ class MultiHeadLatentAttention(Attention):
     def init_cache(self, batch_size, capacity, dtype, device):
         return LayerCache([(batch_size, 1, capacity, self.dc + self.dR)], dtype, device)
 
-
 ATTENTION = {'mha': CausalSelfAttention, 'gqa': CausalSelfAttention, 'mqa': CausalSelfAttention,
              'mla': MultiHeadLatentAttention, 'linear': LinearAttention}
 
 # ----------------------------------------------------------------------------------------------
-
+# The Transformer: nanoGPT's MLP, Block and GPT
 
 def mlp_hidden(config):
     """4 * n_embd, or (match_mha_params) the width that gives the model MHA's parameter count."""
@@ -340,7 +322,6 @@ def mlp_hidden(config):
         count = lambda cfg: sum(p.numel() for p in ATTENTION[cfg.attn](cfg).parameters())
         extra = count(replace(config, attn='mha', n_kv_head=0, match_mha_params=False)) - count(config)
     return 4 * config.n_embd + round(extra / (2 * config.n_embd + config.bias))  # c_fc row + c_proj column
-
 
 class MLP(nn.Module):
 
@@ -355,7 +336,6 @@ class MLP(nn.Module):
     def forward(self, x):
         return self.dropout(self.c_proj(self.gelu(self.c_fc(x))))
 
-
 class Block(nn.Module):
 
     def __init__(self, config):
@@ -369,7 +349,6 @@ class Block(nn.Module):
         x = x + self.attn(self.ln_1(x), rope, pos, cache)
         x = x + self.mlp(self.ln_2(x))
         return x
-
 
 class GPT(nn.Module):
 
@@ -456,20 +435,16 @@ class GPT(nn.Module):
         start = max(0, idx.size(1) - block_size)  # idx[:, start:] is the window
         new = idx[:, start:]  # the tokens the cache has not seen: the window, then 1 token a step
         cache = (self.init_cache(idx.size(0)) if cache is None else cache) if use_cache else None
-        if cache is not None:
-            cache.reset()
         for _ in range(max_new_tokens):
-            if idx.size(1) - start > block_size:  # the window is full: slide it (with the cache: a re-prefill)
+            if idx.size(1) - start > block_size:  # the window is full: slide it forward
                 start = idx.size(1) - max(1, block_size // 2)
                 new = idx[:, start:]
-                if cache is not None:
-                    cache.reset()
-            # with the cache: a prefill, then 1 token a step; without: the whole window again
-            logits, _ = self(new, cache=cache) if cache is not None else self(idx[:, start:])
+            if cache is not None and new.size(1) == idx.size(1) - start:  # the whole window: a (re-)prefill
+                cache.reset()
+            logits, _ = self(new, cache=cache) if cache is not None else self(idx[:, start:])  # else the window again
             new = sample(logits[:, -1, :].float(), temperature, top_k, top_p)  # (B, 1)
             idx = torch.cat((idx, new), dim=1)
             yield new
-
 
 def sample(logits, temperature=1.0, top_k=None, top_p=None):
     """One token per row of logits (B, vocab): greedy at temperature 0, else top-k / nucleus sampling."""

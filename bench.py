@@ -215,9 +215,8 @@ def convert_report(args):
 # decode: the roofline of one step, the cost vs context, generation with and without the cache
 
 def machine_floors(device, dtype):
-    """What this machine can do, measured now: the matmul rate of one large square product in dtype, and memory
-    bandwidth, (read + write bytes) / time of a large tensor copy (CPU 256 MiB, GPU 1 GiB). The copy comes
-    last: it leaves the caches cold and lets the clock recover from the product's vector units."""
+    """Bandwidth, (read + write bytes) / time of a large copy (CPU 256 MiB, GPU 1 GiB), and the matmul rate of a large
+    square product, measured now. The copy comes last: caches cold, the clock recovered from the product."""
     m, n = (8192, 2 ** 30) if device.startswith('cuda') else (2048, 2 ** 28)
     a, b = (torch.randn(m, m, device=device, dtype=dtype) for _ in range(2))
     x, y = torch.ones(n // 4, device=device), torch.empty(n // 4, device=device)
@@ -226,8 +225,7 @@ def machine_floors(device, dtype):
     return 2 * n / timed(lambda: y.copy_(x), device, reps=5), rate
 
 def step_flops(step):
-    """FLOPs of one call of step, counted by torch.utils.flop_counter with SDPA on its math backend (the
-    counter sees the math kernel's matrix products, not the fused kernels)."""
+    """FLOPs of one call of step, SDPA on its math backend (the counter sees its products, not fused kernels)."""
     math = [SDPBackend.MATH]
     with patch('model.DECODE_BACKENDS', math), sdpa_kernel(math), FlopCounterMode(display=False) as counter:
         step()
@@ -235,10 +233,9 @@ def step_flops(step):
 
 @torch.inference_mode()
 def roofline(layouts, sizes, batch, t, device, dtype, compile=False, rounds=15, chunk=512):
-    """One cached decode step per layout at batch `batch` and context t (it attends to t + 1 keys): eager, and
-    (compile) compiled over a static cache, next to its two floors: the bytes it must read (every weight once,
-    the filled cache) / bandwidth, and its FLOPs / matmul rate. The machine measurements and the steps take
-    turns, one each per round, so a slow moment of the machine hits them all alike."""
+    """One cached decode step per layout at batch and context t (it attends to t + 1 keys), eager and (compile)
+    over a static cache, next to its floors: the bytes it reads (every weight, the filled cache) / bandwidth, its
+    FLOPs / matmul rate. Floors and steps take turns each round: a slow moment of the machine hits all alike."""
     runs = {}
     for attn in layouts:
         progress(f"roofline: {attn}")
@@ -251,10 +248,7 @@ def roofline(layouts, sizes, batch, t, device, dtype, compile=False, rounds=15, 
                 model(idx[:, i:min(i + chunk, t)], cache=cache)
 
             def step(model=model, idx=idx, cache=cache):  # the token at position t, again and again
-                if torch.is_tensor(cache.pos):
-                    cache.pos.fill_(t)
-                else:
-                    cache.pos = t
+                cache.pos = cache.pos.fill_(t) if torch.is_tensor(cache.pos) else t  # (in place for a static cache)
                 return model(idx[:, t:], cache=cache)[0]
             steps[kind] = torch.compile(step, **compile_options(device)) if kind == 'compiled' else step
             steps[kind]()  # warm-up (compilation); from now on the cache holds the t + 1 keys each step attends to
@@ -398,31 +392,31 @@ def main(argv=None):
     memory_errors_in_one_line('--batch, --t, --contexts, --n_embd, --n_layer')  # e.g. --t too large here
     count = checked(int, lambda v: v >= 1, "give an integer >= 1")
     listed = lambda kind, ok, rule: checked(lambda text: sorted(kind(x) for x in text.split(',')), ok, rule)
+    layouts = listed(str, lambda v: set(v) <= set(ATTN_LAYOUTS), "choose from " + ','.join(ATTN_LAYOUTS))
+    fractions = listed(float, lambda v: all(0 <= f <= 1 for f in v), "give numbers in [0, 1]")
+    contexts = listed(int, lambda v: v[0] >= 1, "give integers >= 1")
     p = Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument('mode', choices=['cache', 'train', 'decode', 'convert'])
     p.add_argument('extra', nargs='*', help='train, convert: more --key=value for train.py, after --')
     for flag, default, kind, what in (
-            ('layouts', ','.join(ATTN_LAYOUTS), listed(str, lambda v: set(v) <= set(ATTN_LAYOUTS), "choose from "
-             + ','.join(ATTN_LAYOUTS)), 'a comma-separated subset of the layouts (convert: always MHA, GQA, MQA)'),
+            ('layouts', ','.join(ATTN_LAYOUTS), layouts, 'a comma-separated subset (convert: always MHA, GQA, MQA)'),
             ('out', 'results', str, 'folder for runs, reports and plots'),
             ('device', 'cpu', str, 'cpu or cuda[:N]; train on cuda runs the full baby-GPT recipe'),
             ('max_iters', None, count, "train: 2000 on cpu, 5000 on cuda; convert: MHA's, 2000"),
-            ('nanogpt', None, checked(str, os.path.isfile, "no such file"), "train: nanoGPT's model.py, to time its "
-             "training step next to ours"),
-            ('fractions', '0,0.01,0.025,0.05,0.1', listed(float, lambda v: all(0 <= f <= 1 for f in v),
-                                                          "give numbers in [0, 1]"), 'convert: uptraining, fractions of max_iters'),
-            ('lr', 1e-3, checked(float, lambda v: 0 < v < float('inf'), "give a number > 0"), 'convert: peak lr of uptraining'),
+            ('nanogpt', None, checked(str, os.path.isfile, "no such file"), "train: nanoGPT's model.py, to time "
+             "its training step next to ours"),
+            ('fractions', '0,0.01,0.025,0.05,0.1', fractions, 'convert: uptraining, fractions of max_iters'),
+            ('lr', 1e-3, checked(float, lambda v: 0 < v < float('inf'), "give a number > 0"),
+             'convert: peak learning rate of uptraining'),
             ('n_layer', 6, count, 'decode: layers'), ('n_head', 6, count, 'decode: heads'),
             ('n_embd', 384, count, 'decode: width'), ('batch', 16, count, 'decode: batch of the roofline'),
             ('t', 2048, count, 'decode: context of the roofline'),
-            ('contexts', '64,128,256,512,1024,2048', listed(int, lambda v: v[0] >= 1, "give integers >= 1"),
-             'decode: context lengths of the cost vs context'),
+            ('contexts', '64,128,256,512,1024,2048', contexts, 'decode: the context lengths of cost vs context'),
             ('gen_tokens', 240, count, 'decode: new tokens of the generation table'),
-            ('dtype', 'float32', checked(str, lambda v: v in ('float32', 'bfloat16', 'float16'), "give float32, "
-             "bfloat16 or float16"), 'decode')):
-        p.add_argument(f'--{flag}', default=default, type=kind, help=what + f" (default: {default})" * (default is not None))
+            ('dtype', 'float32', str, 'decode: float32, bfloat16 or float16')):
+        p.add_argument(f'--{flag}', default=default, type=kind, help=what + f" (default: {default})" * bool(default))
     p.add_argument('--readme', action='store_true', help="put the report's headline into README.md")
-    p.add_argument('--compile', action='store_true', help='decode: compiled columns (a static cache; on CUDA, CUDA graphs)')
+    p.add_argument('--compile', action='store_true', help='decode: compiled columns (static cache; CUDA graphs)')
     args = p.parse_intermixed_args(argv)  # the mode, options, then -- and the extras in any order
     args.layouts = [a for a in ATTN_LAYOUTS if a in args.layouts]  # in the usual order
     args.max_iters = args.max_iters or (5000 if args.mode == 'train' and args.device != 'cpu' else 2000)

@@ -96,8 +96,7 @@ def apply_rope(x, rope):
     x32 = x.to(torch.promote_types(x.dtype, torch.float32))
     return (x32 * cos + x32.unflatten(-1, (-1, 2)).flip(-1).flatten(-2) * sin).type_as(x)
 
-# a new key length every decode step: never cuDNN attention there, which builds a plan per length (measured 10x
-# slower than no cache on an H200); the fused CPU kernel is FLASH_ATTENTION
+# decode: never cuDNN attention, which plans per key length (10x slower than no cache on an H200); CPU: FLASH
 DECODE_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 def attend(q, k, v, scale=None, dropout_p=0.0, mask=None):
@@ -117,8 +116,7 @@ def attend(q, k, v, scale=None, dropout_p=0.0, mask=None):
     return y.reshape(B, H, L, v.size(-1))  # reshape, not view: the output's strides depend on the backend
 
 class LayerCache:
-    """One layer's buffers, allocated once: K and V (B, n_kv, capacity, hs), MLA's [latent | rope key]
-    (B, 1, capacity, d_c + d_R), or linear attention's state (grows=False)."""
+    """One layer's buffers: K and V (B, n_kv, T, hs), MLA's [latent | rope key] (B, 1, T, d_c + d_R), or a state."""
 
     def __init__(self, shapes, dtype, device, grows=True):
         self.bufs = [torch.zeros(s, dtype=dtype, device=device) for s in shapes]
@@ -138,8 +136,8 @@ class LayerCache:
         return *self.bufs, torch.arange(self.bufs[0].size(2), device=pos.device) <= positions[:, None]
 
 class Cache:
-    """Every layer's cache and the position counter GPT.forward advances: an int, or (static=True) a device
-    tensor, so that a compiled decode step is one graph (one CUDA graph) at every position."""
+    """Every layer's cache and the position GPT.forward advances: an int, or a device tensor (static=True: one
+    compiled graph, one CUDA graph, serves every decode step)."""
 
     def __init__(self, layers, static=False):
         self.layers = layers
@@ -170,7 +168,7 @@ class Attention(nn.Module):
 
     def __init__(self, config):
         super().__init__()
-        self.n_head, self.head_dim, self.dropout = config.n_head, config.head_dim, config.dropout
+        self.config, self.n_head, self.head_dim, self.dropout = config, config.n_head, config.head_dim, config.dropout
         self.resid_dropout = nn.Dropout(config.dropout)
 
     def heads(self, x, n):  # (B, L, n * d) -> (B, n, L, d)
@@ -195,9 +193,7 @@ class CausalSelfAttention(Attention):
         return self.out(self.mix(qk[:, :H], qk[:, H:], qkv[:, H + H_kv:], pos, cache))
 
     def mix(self, q, k, v, pos, cache):  # (B, nh, L, hs), (B, n_kv, L, hs) x 2 -> (B, nh, L, hs)
-        mask = None
-        if cache is not None:
-            k, v, mask = cache.update(pos, k, v)  # (B, n_kv, S, hs): every key and value so far
+        k, v, mask = (k, v, None) if cache is None else cache.update(pos, k, v)  # (B, n_kv, S, hs): all so far
         return attend(q, k, v, dropout_p=self.dropout if self.training else 0.0, mask=mask)
 
     def init_cache(self, batch_size, capacity, dtype, device):
@@ -241,10 +237,6 @@ class LinearAttention(CausalSelfAttention):
     """phi(x) = elu(x) + 1 and no softmax: an RNN with a fixed-size state, kept in float32. No RoPE: rotating
     phi(q), phi(k) would break the positive denominator; order comes from causality (or pos_emb='learned')."""
 
-    def __init__(self, config):
-        super().__init__(config)
-        self.chunk_size = config.chunk_size
-
     def mix(self, q, k, v, pos, cache):
         dtype = v.dtype
         q, k = phi(q), phi(k)  # float32 at least, and so are v, the state and the division:
@@ -252,7 +244,7 @@ class LinearAttention(CausalSelfAttention):
         state = (self.init_cache(q.size(0), 0, q.dtype, q.device) if cache is None else cache).bufs  # [S, z]
         with torch.autocast(q.device.type, enabled=False):  # decode: the recurrent form; else chunkwise-parallel
             y, new_state = (linear_recurrent(q, k, v, state) if q.size(2) == 1 else
-                            linear_chunked(q, k, v, self.chunk_size, state))
+                            linear_chunked(q, k, v, self.config.chunk_size, state))
         if cache is not None:
             for buf, new in zip(state, new_state):
                 buf.copy_(new)  # in place: the state keeps its address (CUDA graphs)
@@ -290,9 +282,8 @@ class MultiHeadLatentAttention(Attention):
         latent = torch.cat([self.kv_norm(c), apply_rope(k_rope, rope)], dim=-1)  # (B, 1, L, dc + dR)
         dropout_p = self.dropout if self.training else 0.0
         if cache is None:  # training (and uncached generation): materialize per-head K and V, ordinary attention
-            B, _, L, _ = q.shape
             k = torch.cat([self.heads(self.k_up(latent[:, 0, :, :dc]), H),
-                           latent[..., dc:].expand(B, H, L, dR)], dim=-1)   # (B, nh, L, dh + dR)
+                           latent[..., dc:].expand(-1, H, -1, -1)], dim=-1)  # (B, nh, L, dh + dR)
             v = self.heads(self.v_up(latent[:, 0, :, :dc]), H)              # (B, nh, L, dh)
             y = attend(q, k, v, self.scale, dropout_p)                      # (B, nh, L, dh)
         else:  # with a cache: W_UK folded into q, attention over the cached latents, W_UV after; no K, V formed

@@ -165,4 +165,21 @@ def test_step_time_vs_nanogpt_times_the_given_model_file():
     and times its training step in turns with ours."""
     ms = bench_module.step_time_vs_nanogpt(os.path.join(ROOT, 'model.py'), rounds=2, steps=1)
     assert list(ms) == ['nanoGPT', "ours, mha, pos_emb='learned'", 'ours, mha, RoPE (default)']
-    assert all(v > 0 for v in ms.values())
+    assert all(v > 0 and r > 0 for v, r in ms.values()) and ms['nanoGPT'][1] == 1.0
+
+
+def test_generation_agreement_tells_a_near_tie_from_a_difference():
+    """Where greedy runs with and without the cache part, agree() says 'a near-tie' only when the reference's top
+    two logits there are within tolerance; a token that was not among them is a real difference."""
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(n_layer=1, n_head=2, n_embd=16, vocab_size=8, block_size=16)).eval()
+    idx, ref = torch.randint(0, 8, (2, 3)), torch.randint(0, 8, (2, 5))
+    assert bench_module.agree(model, idx, ref, ref.clone()) == 'yes'
+    top = model(torch.cat([idx[1:], ref[1:, :2]], 1))[0][0, -1].topk(8).indices
+    ref[1, 2] = top[0]  # greedy there
+    other = ref.clone()
+    other[1, 2] = top[1]  # the runner-up where row 1 parts at token 2
+    assert bench_module.agree(model, idx, ref, other, tol=1e9).startswith('a near-tie at token 2')
+    assert bench_module.agree(model, idx, ref, other, tol=0) == 'NO'  # not within tolerance
+    other[1, 2] = top[-1]  # the least likely token: never a tie
+    assert bench_module.agree(model, idx, ref, other, tol=1e9) == 'NO'

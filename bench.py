@@ -115,7 +115,7 @@ def train_run(run_dir, args):
     progress(' '.join(cmd[1:]))
     r = subprocess.run(cmd, capture_output=True, text=True)
     if r.returncode:
-        raise SystemExit(f"error: train.py failed in {run_dir}: {r.stderr.strip().splitlines()[-1:]}")
+        raise SystemExit(f"error: train.py failed in {run_dir}: {(r.stderr.strip().splitlines() or ['?'])[-1]}")
     rows = [json.loads(line) for line in open(os.path.join(run_dir, 'metrics.jsonl'))]
     return dict(rows=rows, evals=[r for r in rows if 'val/loss' in r], params=re.search(r"([\d.]+)M param", r.stdout)[1],
                 tokens=int(re.search(r"tokens per iteration will be: ([\d,]+)", r.stdout)[1].replace(',', '')))
@@ -129,14 +129,17 @@ def train_report(args):
         f'--eval_interval={every}', '--log_interval=1', *args.extra]) for attn in args.layouts}
     for attn, run in runs.items():
         last, best = run['evals'][-1], min(run['evals'], key=lambda r: r['val/loss'])
-        ms = statistics.median(r['ms_per_iter'] for r in run['rows'] if 'ms_per_iter' in r and r['iter'] % every)
+        steps = [r for r in run['rows'] if 'ms_per_iter' in r]  # those with no evaluation, if there are any
+        ms = statistics.median(r['ms_per_iter'] for r in [r for r in steps if r['iter'] % every] or steps)
         rows.append(f"| {attn} | {run['params']}M | {last['cache_bytes_per_token']:,.0f} | {last['train/loss']:.4f} | "
                     f"{last['val/loss']:.4f} | {best['val/loss']:.4f} ({best['iter']}) | {ms:.1f} | "
                     f"{run['tokens'] / ms * 1000:,.0f} |")  # ms: the steps that include no evaluation
     plot(os.path.join(args.out, 'train_val_loss.png'), [([r['iter'] for r in run['evals']], [r['val/loss'] for r in
          run['evals']], attn, dict(marker='.')) for attn, run in runs.items()], {}, ylim=(None, 3.0),
          title='tiny Shakespeare (char): val loss', xlabel='iteration', ylabel='val loss')
-    body = (f"`python bench.py train --max_iters={args.max_iters} --device={args.device}` on {machine()}: "
+    command = ['python bench.py train', f'--max_iters={args.max_iters}', f'--device={args.device}', *['--layouts=' +
+               ','.join(args.layouts)] * (args.layouts != list(ATTN_LAYOUTS)), *['--'] * bool(args.extra), *args.extra]
+    body = (f"`{' '.join(command)}` on {machine()}: "
             f"{'config/<layout>.py + config/cpu.py' if cpu else 'config/<layout>.py (baby GPT, bf16)'}, seed 1337, the "
             f"same batches for every layout, evaluated every {every} iterations; losses at the last one; cache "
             "bytes/token at block_size in the run's dtype.\n\n" +
@@ -418,12 +421,20 @@ def main(argv=None):
             ('n_embd', 384, count, 'decode: width'), ('batch', 16, count, 'decode: batch of the roofline'),
             ('t', 2048, count, 'decode: context of the roofline'),
             ('contexts', '64,128,256,512,1024,2048', contexts, 'decode: the context lengths of cost vs context'),
-            ('gen_tokens', 240, count, 'decode: new tokens of the generation table'),
+            ('gen_tokens', 240, checked(int, lambda v: 1 <= v <= 240, "give 1 to 240 (block 256, prompt 16)"),
+             'decode: new tokens of the generation table'),
             ('dtype', 'float32', str, 'decode: float32, bfloat16 or float16')):
         p.add_argument(f'--{flag}', default=default, type=kind, help=what + f" (default: {default})" * bool(default))
     p.add_argument('--readme', action='store_true', help="put the report's headline into README.md")
     p.add_argument('--compile', action='store_true', help='decode: compiled columns (static cache; CUDA graphs)')
     args = p.parse_intermixed_args(argv)  # the mode, options, then -- and the extras in any order
+    only = dict(extra='train convert', max_iters='train convert', nanogpt='train', fractions='convert', lr='convert',
+                **dict.fromkeys(['n_layer', 'n_head', 'n_embd', 'batch', 't', 'contexts', 'gen_tokens', 'dtype',
+                                 'compile'], 'decode'))
+    default = vars(p.parse_intermixed_args([args.mode]))
+    for key in [k for k, modes in only.items() if args.mode not in modes and getattr(args, k) != default[k]]:
+        p.error(f"{'extra arguments ' + repr(args.extra) if key == 'extra' else '--' + key} not for {args.mode} "
+                "(train.py's keys go after --, for train and convert)")
     args.layouts = [a for a in ATTN_LAYOUTS if a in args.layouts]  # in the usual order
     args.max_iters = args.max_iters or (5000 if args.mode == 'train' and args.device != 'cpu' else 2000)
     check_device(args.device, args.dtype)

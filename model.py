@@ -96,7 +96,8 @@ def apply_rope(x, rope):
     x32 = x.to(torch.promote_types(x.dtype, torch.float32))
     return (x32 * cos + x32.unflatten(-1, (-1, 2)).flip(-1).flatten(-2) * sin).type_as(x)
 
-# decode: never cuDNN attention, which plans per key length (10x slower than no cache on an H200); CPU: FLASH
+# decode: never cuDNN attention, which plans per key length (10x slower than no cache on an H200); on CPU the
+# fused kernel is FLASH_ATTENTION
 DECODE_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 def attend(q, k, v, scale=None, dropout_p=0.0, mask=None):
@@ -164,7 +165,8 @@ class Cache:
 # The attention layouts: same forward(x, rope, pos, cache) and init_cache(batch, capacity, dtype, device)
 
 class Attention(nn.Module):
-    """What the layouts share: splitting heads, merging them into c_proj (each layout makes c_proj last)."""
+    """What the layouts share: splitting heads, merging them through c_proj (made after a layout's own
+    projections: the init draws the weights in that order)."""
 
     def __init__(self, config):
         super().__init__()
@@ -234,8 +236,8 @@ def linear_chunked(q, k, v, chunk_size, state, eps=1e-6):
     return out, (S[:, :, -1] + kv[:, :, -1], z[:, :, -1] + ksum[:, :, -1])
 
 class LinearAttention(CausalSelfAttention):
-    """phi(x) = elu(x) + 1 and no softmax: an RNN with a fixed-size state, kept in float32. No RoPE: rotating
-    phi(q), phi(k) would break the positive denominator; order comes from causality (or pos_emb='learned')."""
+    """CausalSelfAttention's projections with n_head K/V heads, phi(x) = elu(x) + 1 and no softmax: an RNN with a
+    fixed-size float32 state. No RoPE: rotating phi(q), phi(k) would break the positive denominator."""
 
     def mix(self, q, k, v, pos, cache):
         dtype = v.dtype

@@ -134,6 +134,11 @@ def test_bad_arguments_are_one_line(tmp_path, capsys, monkeypatch):
                       (['decode', '--layouts=mha,flash'], "--layouts: 'mha,flash': choose from mha,gqa,mqa,mla,linear"),
                       (['decode', '--n_head=5'], "GPTConfig.n_embd=384 is invalid: must be divisible by n_head=5"),
                       (['flash'], "argument mode: invalid choice: 'flash'"),
+                      (['decode', '--gen_tokens=241'], "--gen_tokens: '241': give 1 to 240"),
+                      (['cache', 'foo'], "extra arguments ['foo'] not for cache"),
+                      (['train', '--n_layer=1'], "--n_layer not for train (train.py's keys go after --"),
+                      (['decode', '--', '--n_layer=1'], "extra arguments ['--n_layer=1'] not for decode"),
+                      (['convert', '--nanogpt=bench.py'], "--nanogpt not for convert"),
                       (['decode', '--batch=0'], "--batch: '0': give an integer >= 1")):
         with pytest.raises(SystemExit) as e:  # in process: main() checks every argument before any work
             bench_module.main(args)

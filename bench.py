@@ -108,6 +108,11 @@ def cache_report(layouts=ATTN_LAYOUTS):
 # ----------------------------------------------------------------------------------------------
 # train: every layout on one recipe, and the step next to nanoGPT's; convert: MHA -> GQA / MQA
 
+def command(args, *options):
+    """The command line of a report: the mode, its options, --layouts if not all, and the extras for train.py."""
+    layouts = [f"--layouts={','.join(args.layouts)}"] * (args.layouts != list(ATTN_LAYOUTS))
+    return ' '.join(['python bench.py', args.mode, *options, *layouts, *['--'] * bool(args.extra), *args.extra])
+
 def train_run(run_dir, args):
     """train.py with args into a fresh run_dir: its metrics.jsonl rows, evaluations, parameters, tokens/iter."""
     shutil.rmtree(run_dir, ignore_errors=True)
@@ -133,13 +138,11 @@ def train_report(args):
         ms = statistics.median(r['ms_per_iter'] for r in [r for r in steps if r['iter'] % every] or steps)
         rows.append(f"| {attn} | {run['params']}M | {last['cache_bytes_per_token']:,.0f} | {last['train/loss']:.4f} | "
                     f"{last['val/loss']:.4f} | {best['val/loss']:.4f} ({best['iter']}) | {ms:.1f} | "
-                    f"{run['tokens'] / ms * 1000:,.0f} |")  # ms: the steps that include no evaluation
+                    f"{run['tokens'] / ms * 1000:,.0f} |")
     plot(os.path.join(args.out, 'train_val_loss.png'), [([r['iter'] for r in run['evals']], [r['val/loss'] for r in
          run['evals']], attn, dict(marker='.')) for attn, run in runs.items()], {}, ylim=(None, 3.0),
          title='tiny Shakespeare (char): val loss', xlabel='iteration', ylabel='val loss')
-    command = ['python bench.py train', f'--max_iters={args.max_iters}', f'--device={args.device}', *['--layouts=' +
-               ','.join(args.layouts)] * (args.layouts != list(ATTN_LAYOUTS)), *['--'] * bool(args.extra), *args.extra]
-    body = (f"`{' '.join(command)}` on {machine()}: "
+    body = (f"`{command(args, f'--max_iters={args.max_iters}', f'--device={args.device}')}` on {machine()}: "
             f"{'config/<layout>.py + config/cpu.py' if cpu else 'config/<layout>.py (baby GPT, bf16)'}, seed 1337, the "
             f"same batches for every layout, evaluated every {every} iterations; losses at the last one; cache "
             "bytes/token at block_size in the run's dtype.\n\n" +
@@ -206,9 +209,7 @@ def convert_report(args):
     if all(l0 is not None and l5 is not None for _, l0, l5 in gaps):  # the share of the gap 5% uptraining closes
         summary += ("\nShare of the gap to MHA opened by mean-pooling that 5% uptraining closes: " + ", ".join(
             f"{m} {(l0 - l5) / (l0 - mha):.0%}" if l0 > mha else f"{m}: no gap" for m, l0, l5 in gaps) + ".\n")
-    command = ' '.join(['python bench.py convert', f'--max_iters={iters}', f'--lr={lr:g}', *['--'] * bool(args.extra),
-                        *args.extra])
-    return (f"`{command}` on {machine()}: config/cpu.py (4 layers, 4 heads, 128 wide, block 64), seed 1337, val loss "
+    return (f"`{command(args, f'--max_iters={iters}', f'--lr={lr:g}')}` on {machine()}: config/cpu.py (4 layers, 4 heads, 128 wide, block 64), seed 1337, val loss "
             "= mean of the same 200 val batches.\n\n" + summary + MORE + "\n**Every run**:\n\n" + table(header, rows) +
             f"\nUptraining: peak learning rate {lr:g}, warmup a tenth of the run, cosine to {lr / 10:g}.\n")
 

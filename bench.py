@@ -34,8 +34,7 @@ os.environ.setdefault('KINETO_LOG_LEVEL', '6')  # no 'USDT: profiler_start' line
 START = time.time()
 MORE = "\n<!-- the README shows the report down to here -->\n"  # a report's headline, then its details
 
-# ----------------------------------------------------------------------------------------------
-# Shared: the machine, progress, timing, tables and plots
+# --- Shared: the machine, progress, timing, tables and plots ------------------------------------------------
 
 def machine():
     cpu = platform.processor() or platform.machine()
@@ -70,21 +69,17 @@ def table(header, rows):  # markdown
 
 def plot(path, lines, legend, **axes):
     """One figure into path: lines are (xs, ys, label, matplotlib style) each; axes: title, xlabel, xscale, ..."""
-    import matplotlib
-    matplotlib.use('Agg')  # files only, no display
-    import matplotlib.pyplot as plt
-    fig, ax = plt.subplots(figsize=(7, 4.5))
+    from matplotlib.figure import Figure  # a file, no display: no pyplot, no backend to choose
+    fig = Figure(figsize=(7, 4.5), layout='tight')
+    ax = fig.subplots()
     for xs, ys, label, style in lines:
         ax.plot(xs, ys, label=label, **style)
     ax.set(**axes)
     ax.grid(alpha=0.3, which='both')
     ax.legend(**legend)
-    fig.tight_layout()
     fig.savefig(path, dpi=110)
-    plt.close(fig)
 
-# ----------------------------------------------------------------------------------------------
-# cache: bytes per token, the model's formula next to a real cache
+# --- cache: bytes per token, the model's formula next to a real cache ---------------------------------------
 
 @torch.no_grad()
 def cache_report(layouts=ATTN_LAYOUTS):
@@ -105,8 +100,7 @@ def cache_report(layouts=ATTN_LAYOUTS):
             table(['layout', 'K/V heads', 'cache elements / token (all layers)', 'bytes / token at fp16',
                    f'formula bytes at T={T} (fp32)', 'measured `cache.nbytes`', 'measured / formula'], rows))
 
-# ----------------------------------------------------------------------------------------------
-# train: every layout on one recipe, and the step next to nanoGPT's; convert: MHA -> GQA / MQA
+# --- train: every layout on one recipe, and the step next to nanoGPT's; convert: MHA -> GQA / MQA -----------
 
 def command(args, *options):
     """The command line of a report: the mode, its options, --layouts if not all, and the extras for train.py."""
@@ -122,7 +116,7 @@ def train_run(run_dir, args):
     if r.returncode:
         raise SystemExit(f"error: train.py failed in {run_dir}: {(r.stderr.strip().splitlines() or ['?'])[-1]}")
     rows = [json.loads(line) for line in open(os.path.join(run_dir, 'metrics.jsonl'))]
-    return dict(rows=rows, evals=[r for r in rows if 'val/loss' in r], params=re.search(r"([\d.]+)M param", r.stdout)[1],
+    return dict(rows=rows, evals=[r for r in rows if 'val/loss' in r], params=re.search(r"([\d.]+)M par", r.stdout)[1],
                 tokens=int(re.search(r"tokens per iteration will be: ([\d,]+)", r.stdout)[1].replace(',', '')))
 
 def train_report(args):
@@ -156,8 +150,7 @@ def train_report(args):
     return body + "\n![val loss curves](train_val_loss.png)\n"
 
 def step_time_vs_nanogpt(nanogpt_path, rounds=13, steps=10):
-    """ms per training step (forward, backward, clip, AdamW) of our MHA next to nanoGPT's, taking turns (who
-    goes first rotates); each round's ratio to nanoGPT pairs like with like. {name: (median ms, median ratio)}."""
+    """{model: (median ms per step, median of each round's ratio to nanoGPT)}, the models taking turns."""
     ng = runpy.run_path(nanogpt_path)  # its GPT, GPTConfig
     sizes = dict(n_layer=4, n_head=4, n_embd=128, block_size=64, vocab_size=65, dropout=0.0, bias=False)
     torch.manual_seed(0)
@@ -181,8 +174,7 @@ def step_time_vs_nanogpt(nanogpt_path, rounds=13, steps=10):
             for k, v in times.items()}
 
 def convert_report(args):
-    """Ainslie et al. 2023, CPU preset: MHA; GQA (2 K/V heads) and MQA from scratch in the converted shape
-    (MHA's MLP); and mean-pooled from MHA, then uptrained for each fraction. Val loss on the same 200 batches."""
+    """Ainslie et al. 2023: MHA; GQA and MQA from scratch, and mean-pooled from MHA then uptrained (CPU preset)."""
     iters, lr, out = args.max_iters, args.lr, os.path.join(args.out, 'convert')
     name = {'mha': 'MHA', 'gqa': 'GQA, 2 K/V heads', 'mqa': 'MQA'}
 
@@ -209,16 +201,15 @@ def convert_report(args):
     if all(l0 is not None and l5 is not None for _, l0, l5 in gaps):  # the share of the gap 5% uptraining closes
         summary += ("\nShare of the gap to MHA opened by mean-pooling that 5% uptraining closes: " + ", ".join(
             f"{m} {(l0 - l5) / (l0 - mha):.0%}" if l0 > mha else f"{m}: no gap" for m, l0, l5 in gaps) + ".\n")
-    return (f"`{command(args, f'--max_iters={iters}', f'--lr={lr:g}')}` on {machine()}: config/cpu.py (4 layers, 4 heads, 128 wide, block 64), seed 1337, val loss "
-            "= mean of the same 200 val batches.\n\n" + summary + MORE + "\n**Every run**:\n\n" + table(header, rows) +
+    return (f"`{command(args, f'--max_iters={iters}', f'--lr={lr:g}')}` on {machine()}: config/cpu.py (4 layers, 4 "
+            "heads, 128 wide, block 64), seed 1337, val loss = mean of the same 200 val batches.\n\n" + summary + MORE +
+            "\n**Every run**:\n\n" + table(header, rows) +
             f"\nUptraining: peak learning rate {lr:g}, warmup a tenth of the run, cosine to {lr / 10:g}.\n")
 
-# ----------------------------------------------------------------------------------------------
-# decode: the roofline of one step, the cost vs context, generation with and without the cache
+# --- decode: the roofline of one step, the cost vs context, generation with and without the cache -----------
 
 def machine_floors(device, dtype):
-    """Bandwidth, (read + write bytes) / time of a large copy (CPU 256 MiB, GPU 1 GiB), and the matmul rate of a large
-    square product, measured now. The copy comes last: caches cold, the clock recovered from the product."""
+    """Bandwidth of a large copy (read + write bytes) and matmul rate of a large product; the copy last: caches cold."""
     m, n = (8192, 2 ** 30) if device.startswith('cuda') else (2048, 2 ** 28)
     a, b = (torch.randn(m, m, device=device, dtype=dtype) for _ in range(2))
     x, y = torch.ones(n // 4, device=device), torch.empty(n // 4, device=device)
@@ -235,8 +226,7 @@ def step_flops(step):
 
 @torch.inference_mode()
 def roofline(layouts, sizes, batch, t, device, dtype, compile=False, rounds=15, chunk=512):
-    """A cached decode step per layout at batch and context t (t + 1 keys), eager and (compile) over a static
-    cache, next to its floors (bytes it reads / bandwidth, FLOPs / matmul rate), all taking turns each round."""
+    """A cached decode step per layout at context t, eager (and compiled), its floors; all take turns each round."""
     runs = {}
     for attn in layouts:
         progress(f"roofline: {attn}")
@@ -293,8 +283,7 @@ def roofline_section(runs, bandwidth, rate, batch, t, path, rounds=15):
 
 @torch.inference_mode()
 def decode_costs(layouts, sizes, contexts, device, dtype, rounds=15):
-    """ms per generated token at batch 1 and each context t, eager: a cached step against t cached tokens, and the
-    uncached alternative, a forward over the t + 1 tokens (3 rounds). The contexts take turns each round."""
+    """ms per token at batch 1 and context t: a cached step, and a forward over the t + 1 tokens (3 rounds)."""
     out = {}
     for attn in layouts:
         progress(f"decode cost vs context: {attn}")
@@ -313,11 +302,9 @@ def decode_costs(layouts, sizes, contexts, device, dtype, rounds=15):
                 for t in contexts}
     return out
 
-
 @torch.inference_mode()
 def generation(layouts, sizes, device, dtype, compile=False, prompt=16, new=240, batches=(1, 8)):
-    """Greedy generation, new tokens after a prompt at block 256: without the cache, with it, and (compile)
-    compiled over a static cache. Each way twice, taking turns, after a warm-up; the faster run counts."""
+    """Greedy tokens/s without the cache, with it (and compiled): each way twice, taking turns; the faster counts."""
     kinds, rows = ['no cache', 'cache'] + ['cache, compiled'] * compile, []
     for attn in layouts:
         progress(f"generation: {attn}")
@@ -342,8 +329,7 @@ def generation(layouts, sizes, device, dtype, compile=False, prompt=16, new=240,
     return table(['layout', 'batch', *[f"tokens/s, {k}" for k in kinds], 'cache speedup', 'identical tokens'], rows)
 
 def agree(model, idx, ref, other, tol=1e-4):
-    """'yes' if two greedy runs gave the same tokens; where they part, a near-tie if the reference's top two logits
-    there are within tol (float32 rounding picks between them), else 'NO'."""
+    """'yes' if two greedy runs agree; where they part, a near-tie if ref's top two logits are within tol, else 'NO'."""
     if torch.equal(ref, other):
         return 'yes'
     row, col = (ref != other).nonzero()[0].tolist()
@@ -375,8 +361,7 @@ def decode_report(args, sizes):
                    "16-token prompt, block 256, greedy** (the best of two runs each way):\n\n" +
                    generation(layouts, sizes, device, dtype, args.compile, new=args.gen_tokens))
 
-# ----------------------------------------------------------------------------------------------
-# the command line
+# --- the command line ---------------------------------------------------------------------------------------
 
 def readme_section(mode, report, out='results'):
     """What README.md shows of a report: its headline, with its plots' links made relative to the README."""
@@ -405,35 +390,35 @@ def main(argv=None):
     layouts = listed(str, lambda v: set(v) <= set(ATTN_LAYOUTS), "choose from " + ','.join(ATTN_LAYOUTS))
     fractions = listed(float, lambda v: all(0 <= f <= 1 for f in v), "give numbers in [0, 1]")
     contexts = listed(int, lambda v: v[0] >= 1, "give integers >= 1")
+    path = checked(str, os.path.isfile, "no such file")
+    positive = checked(float, lambda v: 0 < v < float('inf'), "give a number > 0")
+    gen_tokens = checked(int, lambda v: 1 <= v <= 240, "give 1 to 240 (block 256, prompt 16)")
     p = Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument('mode', choices=['cache', 'train', 'decode', 'convert'])
     p.add_argument('extra', nargs='*', help='train, convert: more --key=value for train.py, after --')
-    for flag, default, kind, what in (
-            ('layouts', ','.join(ATTN_LAYOUTS), layouts, 'a comma-separated subset (convert: always MHA, GQA, MQA)'),
-            ('out', 'results', str, 'folder for runs, reports and plots'),
-            ('device', 'cpu', str, 'cpu or cuda[:N]; train on cuda runs the full baby-GPT recipe'),
-            ('max_iters', None, count, "train: 2000 on cpu, 5000 on cuda; convert: MHA's, 2000"),
-            ('nanogpt', None, checked(str, os.path.isfile, "no such file"), "train: nanoGPT's model.py, to time "
-             "its training step next to ours"),
-            ('fractions', '0,0.01,0.025,0.05,0.1', fractions, 'convert: uptraining, fractions of max_iters'),
-            ('lr', 1e-3, checked(float, lambda v: 0 < v < float('inf'), "give a number > 0"),
-             'convert: peak learning rate of uptraining'),
-            ('n_layer', 6, count, 'decode: layers'), ('n_head', 6, count, 'decode: heads'),
-            ('n_embd', 384, count, 'decode: width'), ('batch', 16, count, 'decode: batch of the roofline'),
-            ('t', 2048, count, 'decode: context of the roofline'),
-            ('contexts', '64,128,256,512,1024,2048', contexts, 'decode: the context lengths of cost vs context'),
-            ('gen_tokens', 240, checked(int, lambda v: 1 <= v <= 240, "give 1 to 240 (block 256, prompt 16)"),
-             'decode: new tokens of the generation table'),
-            ('dtype', 'float32', str, 'decode: float32, bfloat16 or float16')):
-        p.add_argument(f'--{flag}', default=default, type=kind, help=what + f" (default: {default})" * bool(default))
+    only = dict(extra='train, convert', compile='decode')  # {option: the modes it is for}
+    for modes, flag, default, kind, what in (  # '' = for every mode
+            ('', 'layouts', ','.join(ATTN_LAYOUTS), layouts, 'a comma-separated subset (convert: MHA, GQA, MQA)'),
+            ('', 'out', 'results', str, 'folder for runs, reports and plots'),
+            ('', 'device', 'cpu', str, 'cpu or cuda[:N]; train on cuda runs the full baby-GPT recipe'),
+            ('train, convert', 'max_iters', None, count, "iterations (MHA's for convert): 2000, train on cuda 5000"),
+            ('train', 'nanogpt', None, path, "nanoGPT's model.py, to time its step next to ours"),
+            ('convert', 'fractions', '0,0.01,0.025,0.05,0.1', fractions, 'uptraining, fractions of max_iters'),
+            ('convert', 'lr', 1e-3, positive, 'peak learning rate of uptraining'),
+            ('decode', 'n_layer', 6, count, 'layers'), ('decode', 'n_head', 6, count, 'heads'),
+            ('decode', 'n_embd', 384, count, 'width'), ('decode', 'batch', 16, count, 'batch of the roofline'),
+            ('decode', 't', 2048, count, 'context of the roofline'),
+            ('decode', 'contexts', '64,128,256,512,1024,2048', contexts, 'the contexts of decode cost vs context'),
+            ('decode', 'gen_tokens', 240, gen_tokens, 'new tokens of the generation table'),
+            ('decode', 'dtype', 'float32', str, 'float32, bfloat16 or float16')):
+        only[flag] = modes
+        p.add_argument(f'--{flag}', default=default, type=kind,
+                       help=f"{modes}: " * bool(modes) + what + f" (default: {default})" * bool(default))
     p.add_argument('--readme', action='store_true', help="put the report's headline into README.md")
     p.add_argument('--compile', action='store_true', help='decode: compiled columns (static cache; CUDA graphs)')
     args = p.parse_intermixed_args(argv)  # the mode, options, then -- and the extras in any order
-    only = dict(extra='train convert', max_iters='train convert', nanogpt='train', fractions='convert', lr='convert',
-                **dict.fromkeys(['n_layer', 'n_head', 'n_embd', 'batch', 't', 'contexts', 'gen_tokens', 'dtype',
-                                 'compile'], 'decode'))
     default = vars(p.parse_intermixed_args([args.mode]))
-    for key in [k for k, modes in only.items() if args.mode not in modes and getattr(args, k) != default[k]]:
+    for key in [k for k, modes in only.items() if modes and args.mode not in modes and getattr(args, k) != default[k]]:
         p.error(f"{'extra arguments ' + repr(args.extra) if key == 'extra' else '--' + key} not for {args.mode} "
                 "(train.py's keys go after --, for train and convert)")
     args.layouts = [a for a in ATTN_LAYOUTS if a in args.layouts]  # in the usual order

@@ -77,8 +77,7 @@ class GPTConfig:
         linear = self.attn == 'linear'
         return self.cache_elements(T) * (torch.promote_types(dtype, torch.float32) if linear else dtype).itemsize
 
-# ----------------------------------------------------------------------------------------------
-# What the layouts share: RoPE, the causal attention call, the caches.
+# --- What the layouts share: RoPE, the causal attention call, the caches -----------------------------------
 
 def rope_table(dim, positions, base):
     """(L, 2, dim): cos and signed sin (-sin, +sin) of pos * base^(-2i/dim) for each pair (x[2i], x[2i+1]).
@@ -96,15 +95,13 @@ def apply_rope(x, rope):
     x32 = x.to(torch.promote_types(x.dtype, torch.float32))
     return (x32 * cos + x32.unflatten(-1, (-1, 2)).flip(-1).flatten(-2) * sin).type_as(x)
 
-# decode: never cuDNN attention, which plans per key length (10x slower than no cache on an H200); on CPU the
-# fused kernel is FLASH_ATTENTION
+# decode: never cuDNN attention, which plans per key length (a cached H200 step 10x slower than no cache)
 DECODE_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 def attend(q, k, v, scale=None, dropout_p=0.0, mask=None):
     """softmax(q kᵀ * scale + mask) v. q (B, nh, L, d), k (B, n_kv, S, d), v (B, n_kv, S, dv); n_kv divides nh
     (groups share a K/V head). mask (L, S), True = seen; None = causal with the L queries the LAST L of the S keys."""
-    B, H, L, D = q.shape
-    H_kv, S = k.size(1), k.size(2)
+    (B, H, L, D), (H_kv, S) = q.shape, k.shape[1:3]
     if mask is None and L == S:  # training, or a prefill into an empty cache: is_causal's top-left mask is right only here
         return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True, scale=scale,
                                               enable_gqa=H != H_kv)
@@ -137,8 +134,7 @@ class LayerCache:
         return *self.bufs, torch.arange(self.bufs[0].size(2), device=pos.device) <= positions[:, None]
 
 class Cache:
-    """Every layer's cache and the position GPT.forward advances: an int, or a device tensor (static=True: one
-    compiled graph, one CUDA graph, serves every decode step)."""
+    """Every layer's cache and the position GPT.forward advances: an int, or (static=True) a device tensor."""
 
     def __init__(self, layers, static=False):
         self.layers = layers
@@ -161,8 +157,7 @@ class Cache:
         for b in (b for layer in self.layers if not layer.grows for b in layer.bufs):
             b.zero_()
 
-# ----------------------------------------------------------------------------------------------
-# The attention layouts: same forward(x, rope, pos, cache) and init_cache(batch, capacity, dtype, device)
+# --- The attention layouts: same forward(x, rope, pos, cache) and init_cache(batch, capacity, dtype, device) ---
 
 class Attention(nn.Module):
     """What the layouts share: splitting heads, merging them through c_proj (made after a layout's own
@@ -208,21 +203,16 @@ def phi(x):
     return torch.where(x >= 0, x + 1, torch.exp(x.clamp(max=0)))
 
 def linear_recurrent(q, k, v, state, eps=1e-6):
-    """RNN form (decode): S_t = S_{t-1} + k_t v_tᵀ, z_t = z_{t-1} + k_t, o_t = q_tᵀ S_t / (q_tᵀ z_t)."""
-    S, z = state  # (B, nh, hs, hs), (B, nh, hs)
-    out = []
-    for t in range(q.size(2)):
-        S = S + k[:, :, t, :, None] * v[:, :, t, None, :]
-        z = z + k[:, :, t]
-        out.append((q[:, :, t, None] @ S).squeeze(2) / ((q[:, :, t] * z).sum(-1, keepdim=True) + eps))
-    return torch.stack(out, dim=2), (S, z)
+    """One RNN step (decode): S_t = S_{t-1} + k_t v_tᵀ, z_t = z_{t-1} + k_t, o_t = q_tᵀ S_t / (q_tᵀ z_t)."""
+    S = state[0] + k.transpose(-2, -1) * v  # (B, nh, hs, hs): q, k, v are (B, nh, 1, hs)
+    z = state[1] + k.squeeze(2)             # (B, nh, hs)
+    return q @ S / ((q * z.unsqueeze(2)).sum(-1, keepdim=True) + eps), (S, z)  # (B, nh, 1, hs)
 
 def linear_chunked(q, k, v, chunk_size, state, eps=1e-6):
     """Training, prefill: the parallel form A = tril(phi(Q) phi(K)ᵀ), O = (A V) / (A 1) inside each chunk, the
     recurrent state between chunks. chunk_size 1 is the recurrent form, chunk_size >= T the parallel one."""
     B, H, T, D = q.shape
-    C = chunk_size
-    N = -(-T // C)
+    C, N = chunk_size, -(-T // chunk_size)  # N chunks of C steps, the last one padded
     pad = lambda x: F.pad(x, (0, 0, 0, N * C - T)).view(B, H, N, C, x.size(-1))  # zero keys add nothing
     q, k, v = pad(q), pad(k), pad(v)                                            # (B, nh, N, C, hs)
     kv, ksum = k.transpose(-2, -1) @ v, k.sum(3)                                 # (B, nh, N, hs, hs), (B, nh, N, hs)
@@ -240,17 +230,16 @@ class LinearAttention(CausalSelfAttention):
     fixed-size float32 state. No RoPE: rotating phi(q), phi(k) would break the positive denominator."""
 
     def mix(self, q, k, v, pos, cache):
-        dtype = v.dtype
-        q, k = phi(q), phi(k)  # float32 at least, and so are v, the state and the division:
-        v = v.to(q.dtype)      # under 16-bit autocast the denominator would overflow fp16
-        state = (self.init_cache(q.size(0), 0, q.dtype, q.device) if cache is None else cache).bufs  # [S, z]
+        # phi(q), phi(k), v, the state and the division in float32 at least: in fp16 the denominator would overflow
+        fq, fk, fv = phi(q), phi(k), v.to(torch.promote_types(v.dtype, torch.float32))
+        state = (self.init_cache(q.size(0), 0, fv.dtype, q.device) if cache is None else cache).bufs  # [S, z]
         with torch.autocast(q.device.type, enabled=False):  # decode: the recurrent form; else chunkwise-parallel
-            y, new_state = (linear_recurrent(q, k, v, state) if q.size(2) == 1 else
-                            linear_chunked(q, k, v, self.config.chunk_size, state))
+            y, new_state = (linear_recurrent(fq, fk, fv, state) if q.size(2) == 1 else
+                            linear_chunked(fq, fk, fv, self.config.chunk_size, state))
         if cache is not None:
             for buf, new in zip(state, new_state):
                 buf.copy_(new)  # in place: the state keeps its address (CUDA graphs)
-        return y.to(dtype)
+        return y.type_as(v)
 
     def init_cache(self, batch_size, capacity, dtype, device):
         S = (batch_size, self.n_head, self.head_dim, self.head_dim)  # S = sum phi(k) vᵀ and z = sum phi(k)
@@ -304,8 +293,7 @@ class MultiHeadLatentAttention(Attention):
 ATTENTION = {'mha': CausalSelfAttention, 'gqa': CausalSelfAttention, 'mqa': CausalSelfAttention,
              'mla': MultiHeadLatentAttention, 'linear': LinearAttention}
 
-# ----------------------------------------------------------------------------------------------
-# The Transformer: nanoGPT's MLP, Block and GPT
+# --- The Transformer: nanoGPT's MLP, Block and GPT ----------------------------------------------------------
 
 def mlp_hidden(config):
     """4 * n_embd, or (match_mha_params) the width that gives the model MHA's parameter count."""

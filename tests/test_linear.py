@@ -34,7 +34,11 @@ def test_chunked_equals_parallel_and_recurrent(chunk):
     q, k, v = qkv()
     ref = linear_parallel(q, k, v)
     out, (S, z) = linear_chunked(q, k, v, chunk, zero_state())
-    rec, (S_r, z_r) = linear_recurrent(q, k, v, zero_state())
+    rec, (S_r, z_r) = [], zero_state()
+    for t in range(T):  # the RNN, one step at a time, as decode runs it
+        o, (S_r, z_r) = linear_recurrent(q[:, :, t:t + 1], k[:, :, t:t + 1], v[:, :, t:t + 1], (S_r, z_r))
+        rec.append(o)
+    rec = torch.cat(rec, dim=2)
     assert rel_err(out, ref) < 1e-12 and rel_err(rec, ref) < 1e-12
     torch.testing.assert_close(S, k.transpose(-2, -1) @ v, atol=1e-10, rtol=0)  # phi(K)ᵀ V
     torch.testing.assert_close(z, k.sum(2), atol=1e-10, rtol=0)                 # sum phi(K)

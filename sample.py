@@ -135,7 +135,9 @@ if not compare:
 cfg = model.config
 speed, result = {True: [], False: []}, {}
 for r in range(4):  # round 0: the warm-up
-    for cached in (True, False):
+    for cached in (True, False):  # a line each on stderr: without the cache the baby GPT takes minutes on a CPU
+        print(f"--compare: {f'round {r} of 3' if r else 'warm-up'}, {'with' if cached else 'without'} the cache",
+              file=sys.stderr, flush=True)
         result[cached] = run(cached, max_new_tokens=max_new_tokens if r else min(8, max_new_tokens))
         speed[cached] += [result[cached][1]] if r else []
 (with_cache, _, cache), (without, _, _) = result[True], result[False]  # the cache as generation left it

@@ -152,6 +152,9 @@ if ddp:
         device = f'cuda:{ddp_local_rank}'
         torch.cuda.set_device(device)
     master_process = ddp_rank == 0  # logs and checkpoints
+    if not master_process:  # when rank 0 stops (its own line says why), the others' next collective fails: one line
+        sys.excepthook = lambda kind, e, tb: print(f"error: rank {ddp_rank}: {describe(e)} (if rank 0 stopped first, "
+                                                   "its error says why)", file=sys.stderr)
     if gradient_accumulation_steps % ddp_world_size:
         fail(f"gradient_accumulation_steps={gradient_accumulation_steps} must be a multiple of the "
              f"{ddp_world_size} DDP processes")
@@ -198,7 +201,7 @@ if not os.path.exists(os.path.join(data_dir, 'train.bin')) and master_process:
     except PrepareError as e:
         fail(str(e))
 if ddp:
-    dist.barrier()  # the other ranks wait for rank 0 to prepare the data
+    dist.barrier()  # the other ranks wait for rank 0 to lock out_dir and prepare the data
 try:
     with open(os.path.join(data_dir, 'meta.json'), encoding='utf-8') as f:
         meta = check_meta(json.load(f))

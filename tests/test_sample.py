@@ -163,7 +163,10 @@ def test_sample_as_typed_finds_the_newest_checkpoint(tmp_path, ckpt_dir):
                                        capture_output=True, text=True, timeout=300)
     for args in (['--use_cache'], ['--compare']):
         r = cwd(*args, '--max_new_tokens=12')
-        assert r.returncode == 0 and r.stderr.strip() == f"sampling {os.path.join('out-newer', 'ckpt.pt')}", r.stderr
+        said = r.stderr.strip().splitlines()  # which checkpoint; --compare: then a line per run, never silent
+        assert r.returncode == 0 and said[0] == f"sampling {os.path.join('out-newer', 'ckpt.pt')}", r.stderr
+        assert said[1:] == ([] if args == ['--use_cache'] else [f"--compare: {when}, {w} the cache" for when in
+                            ['warm-up', 'round 1 of 3', 'round 2 of 3', 'round 3 of 3'] for w in ('with', 'without')])
     assert 'tokens identical' in r.stdout
     os.remove(tmp_path / 'out-newer' / 'ckpt.pt')  # an interrupted run left only last.pt: sampled too
     shutil.copy(tmp_path / 'out-older' / 'ckpt.pt', tmp_path / 'out-newer' / 'last.pt')

@@ -170,6 +170,21 @@ def test_ddp_two_cpu_processes(tmp_path, char_data):
 
 
 @pytest.mark.slow
+def test_ddp_refusal_by_rank_0_is_one_line_on_every_rank(tmp_path, char_data):
+    """Rank 0 alone locks out_dir: when it refuses, rank 1's barrier fails, and says so in one line too."""
+    import fcntl
+    with open(tmp_path / 'train.lock', 'a') as lock:  # another run holds out_dir
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        r = subprocess.run([sys.executable, '-m', 'torch.distributed.run', '--standalone', '--nproc_per_node=2',
+                            'train.py', *TINY, f'--out_dir={tmp_path}', f'--data_dir={char_data}',
+                            '--gradient_accumulation_steps=2'], cwd=ROOT, capture_output=True, text=True, timeout=300,
+                           env=environ(None))
+    assert r.returncode != 0 and 'is in use by another train.py run' in r.stderr, r.stderr
+    assert re.search(r"^error: rank 1: \w+Error: .*its error says why\)$", r.stderr, re.M), r.stderr
+    assert '[rank1]' not in r.stderr, r.stderr  # (torchrun's launcher still prints its own report)
+
+
+@pytest.mark.slow
 def test_ddp_resume_is_bit_exact(tmp_path, char_data):
     """2 CPU processes: 8 iterations in one go == 4, stop, resume, 4 more (weights and logged losses)."""
     ddp = (sys.executable, '-m', 'torch.distributed.run', '--standalone', '--nproc_per_node=2')

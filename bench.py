@@ -116,7 +116,7 @@ def train_run(run_dir, args):
     if r.returncode:
         raise SystemExit(f"error: train.py failed in {run_dir}: {(r.stderr.strip().splitlines() or ['?'])[-1]}")
     rows = [json.loads(line) for line in open(os.path.join(run_dir, 'metrics.jsonl'))]
-    return dict(rows=rows, evals=[r for r in rows if 'val/loss' in r], params=re.search(r"([\d.]+)M par", r.stdout)[1],
+    return dict(rows=rows, evals=[r for r in rows if 'val/loss' in r], params=re.search(r"([\d.]+)M param", r.stdout)[1],
                 tokens=int(re.search(r"tokens per iteration will be: ([\d,]+)", r.stdout)[1].replace(',', '')))
 
 def train_report(args):

@@ -1,6 +1,6 @@
 """
 Benchmarks that print numbers measured side by side in one run (never timed tests). Each mode writes its full
-report to --out/MODE.md (default results/); --readme puts its headline into README.md.
+report to --out/MODE.md (default out-bench/); --readme writes results/MODE.md and puts its headline into README.md.
 
     python bench.py cache                 # cache bytes per token: the model's formula vs a real cache
     python bench.py train                 # the CPU preset for every layout: losses, speed, val-loss curves
@@ -104,8 +104,8 @@ def cache_report(layouts=ATTN_LAYOUTS):
 
 def command(args, *options):
     """The command line of a report: the mode, its options, --layouts if not all, and the extras for train.py."""
-    layouts = [f"--layouts={','.join(args.layouts)}"] * (args.layouts != list(ATTN_LAYOUTS))
-    return ' '.join(['python bench.py', args.mode, *options, *layouts, *['--'] * bool(args.extra), *args.extra])
+    layouts = [] if args.layouts == list(ATTN_LAYOUTS) else [f"--layouts={','.join(args.layouts)}"]
+    return ' '.join(['python bench.py', args.mode, *options, *layouts] + (['--', *args.extra] if args.extra else []))
 
 def train_run(run_dir, args):
     """train.py with args into a fresh run_dir: its metrics.jsonl rows, evaluations, parameters, tokens/iter."""
@@ -136,7 +136,8 @@ def train_report(args):
     plot(os.path.join(args.out, 'train_val_loss.png'), [([r['iter'] for r in run['evals']], [r['val/loss'] for r in
          run['evals']], attn, dict(marker='.')) for attn, run in runs.items()], {}, ylim=(None, 3.0),
          title='tiny Shakespeare (char): val loss', xlabel='iteration', ylabel='val loss')
-    body = (f"`{command(args, f'--max_iters={args.max_iters}', f'--device={args.device}')}` on {machine()}: "
+    nanogpt = [f'--nanogpt={args.nanogpt}'] if args.nanogpt else []
+    body = (f"`{command(args, f'--max_iters={args.max_iters}', f'--device={args.device}', *nanogpt)}` on {machine()}: "
             f"{'config/<layout>.py + config/cpu.py' if cpu else 'config/<layout>.py (baby GPT, bf16)'}, seed 1337, the "
             f"same batches for every layout, evaluated every {every} iterations; losses at the last one; cache "
             "bytes/token at block_size in the run's dtype.\n\n" +
@@ -177,33 +178,35 @@ def convert_report(args):
     """Ainslie et al. 2023: MHA; GQA and MQA from scratch, and mean-pooled from MHA then uptrained (CPU preset)."""
     iters, lr, out = args.max_iters, args.lr, os.path.join(args.out, 'convert')
     name = {'mha': 'MHA', 'gqa': 'GQA, 2 K/V heads', 'mqa': 'MQA'}
+    ups = sorted({round(f * iters) for f in args.fractions})  # uptraining iterations
+    shown = min([n for n in ups if n] or [0], key=lambda n: abs(n / iters - 0.05))  # the headline's: 5%, or nearest
 
-    def run(folder, attn, how, n, *more):  # a row: model, made by, iterations, the run
-        r = train_run(os.path.join(out, folder), [
+    def run(folder, attn, n, *more):
+        return train_run(os.path.join(out, folder), [
             f'config/{attn}.py', 'config/cpu.py', '--eval_iters=200', '--log_interval=1000000', *args.extra,
             f'--max_iters={n}', f'--lr_decay_iters={max(n, 1)}', f'--eval_interval={max(n, 1)}', *more])
-        return name[attn], how, f'{iters:,}' + ('' if 'scratch' in how else f' + {n:,}'), r
-    runs = [run('mha', 'mha', 'trained from scratch', iters)]
+    runs = {('mha', None): run('mha', 'mha', iters)}  # {(layout, uptraining iterations or None): the run}
     for attn in ('gqa', 'mqa'):
-        runs.append(run(f'{attn}-scratch', attn, 'trained from scratch', iters, '--match_mha_params=False'))
-        runs += [run(f'{attn}-uptrain-{n}', attn, f'MHA mean-pooled, uptrained {n / iters:.1%}' if n else
-                     'MHA mean-pooled, no uptraining', n, f"--init_from={os.path.join(out, 'mha')}",
-                     f'--warmup_iters={n // 10}', f'--learning_rate={lr}', f'--min_lr={lr / 10}')
-                 for n in sorted({round(f * iters) for f in args.fractions})]
-    val = {(m, how): r['evals'][-1]['val/loss'] for m, how, _, r in runs}
-    mha = val['MHA', 'trained from scratch']
-    rows = [f"| {m} | {how} | {it} | {r['params']}M | {r['evals'][-1]['cache_bytes_per_token']:,.0f} | "
-            f"{val[m, how]:.4f} | {val[m, how] - mha:+.4f} |" for m, how, it, r in runs]
+        runs[attn, None] = run(f'{attn}-scratch', attn, iters, '--match_mha_params=False')
+        runs |= {(attn, n): run(f'{attn}-uptrain-{n}', attn, n, f"--init_from={os.path.join(out, 'mha')}",
+                                f'--warmup_iters={n // 10}', f'--learning_rate={lr}', f'--min_lr={lr / 10}') for n in ups}
+    val = {key: r['evals'][-1]['val/loss'] for key, r in runs.items()}
+    mha = val['mha', None]
+    how = lambda n: ('trained from scratch' if n is None else
+                     f'MHA mean-pooled, uptrained {n / iters:.1%}' if n else 'MHA mean-pooled, no uptraining')
+    rows = {(a, n): f"| {name[a]} | {how(n)} | {iters:,}{'' if n is None else f' + {n:,}'} | {r['params']}M | "
+            f"{r['evals'][-1]['cache_bytes_per_token']:,.0f} | {val[a, n]:.4f} | {val[a, n] - mha:+.4f} |"
+            for (a, n), r in runs.items()}
     header = ['model', 'made by', 'iterations', 'params', 'cache bytes/token (fp32)', 'val loss', "minus MHA's"]
-    summary = table(header, [r for r in rows if not re.search(r"uptrained (?!5\.0%)", r)])  # no uptraining, 5%
-    gaps = [(m, val.get((m, 'MHA mean-pooled, no uptraining')), val.get((m, 'MHA mean-pooled, uptrained 5.0%')))
-            for m in (name['gqa'], name['mqa'])]
-    if all(l0 is not None and l5 is not None for _, l0, l5 in gaps):  # the share of the gap 5% uptraining closes
-        summary += ("\nShare of the gap to MHA opened by mean-pooling that 5% uptraining closes: " + ", ".join(
-            f"{m} {(l0 - l5) / (l0 - mha):.0%}" if l0 > mha else f"{m}: no gap" for m, l0, l5 in gaps) + ".\n")
-    return (f"`{command(args, f'--max_iters={iters}', f'--lr={lr:g}')}` on {machine()}: config/cpu.py (4 layers, 4 "
-            "heads, 128 wide, block 64), seed 1337, val loss = mean of the same 200 val batches.\n\n" + summary + MORE +
-            "\n**Every run**:\n\n" + table(header, rows) +
+    summary = table(header, [row for (a, n), row in rows.items() if n in (None, 0, shown)])
+    if shown and 0 in ups:  # the share of the gap that uptraining closes
+        summary += (f"\nShare of the gap to MHA opened by mean-pooling that {100 * shown / iters:g}% uptraining closes: "
+                    + ", ".join(f"{name[a]} {(val[a, 0] - val[a, shown]) / (val[a, 0] - mha):.0%}" if val[a, 0] > mha
+                                else f"{name[a]}: no gap" for a in ('gqa', 'mqa')) + ".\n")
+    fractions = ','.join(f'{f:g}' for f in args.fractions)
+    return (f"`{command(args, f'--max_iters={iters}', f'--lr={lr:g}', f'--fractions={fractions}')}` on {machine()}: "
+            "config/cpu.py (4 layers, 4 heads, 128 wide, block 64), seed 1337, val loss = mean of the same 200 val "
+            "batches.\n\n" + summary + MORE + "\n**Every run**:\n\n" + table(header, list(rows.values())) +
             f"\nUptraining: peak learning rate {lr:g}, warmup a tenth of the run, cosine to {lr / 10:g}.\n")
 
 # --- decode: the roofline of one step, the cost vs context, generation with and without the cache -----------
@@ -338,6 +341,7 @@ def agree(model, idx, ref, other, tol=1e-4):
     return f"a near-tie at token {col} ({gap:.0e} apart)" if gap < tol and other[row, col] in top.indices else 'NO'
 
 def decode_report(args, sizes):
+    """The roofline at --batch and --t, the cost vs context at batch 1, and generation with and without the cache."""
     layouts, contexts, device, dtype = args.layouts, args.contexts, args.device, getattr(torch, args.dtype)
     runs, bandwidth, rate = roofline(layouts, sizes, args.batch, args.t, device, dtype, args.compile)
     roof = roofline_section(runs, bandwidth, rate, args.batch, args.t, os.path.join(args.out, 'roofline.png'))
@@ -370,6 +374,7 @@ def readme_section(mode, report, out='results'):
 
 class Parser(argparse.ArgumentParser):
     def error(self, message):  # one line, not argparse's usage block
+        message = message.replace('arguments are required: mode, extra', 'argument is required: mode')
         self.exit(2, f"error: {message} (see: python bench.py --help)\n")
 
 def checked(kind, ok, rule):
@@ -398,8 +403,8 @@ def main(argv=None):
     p.add_argument('extra', nargs='*', help='train, convert: more --key=value for train.py, after --')
     only = dict(extra='train, convert', compile='decode')  # {option: the modes it is for}
     for modes, flag, default, kind, what in (  # '' = for every mode
-            ('', 'layouts', ','.join(ATTN_LAYOUTS), layouts, 'a comma-separated subset (convert: MHA, GQA, MQA)'),
-            ('', 'out', 'results', str, 'folder for runs, reports and plots'),
+            ('cache, train, decode', 'layouts', ','.join(ATTN_LAYOUTS), layouts, 'a comma-separated subset'),
+            ('', 'out', None, str, 'folder for runs, reports and plots (default: out-bench; with --readme: results)'),
             ('', 'device', 'cpu', str, 'cpu or cuda[:N]; train on cuda runs the full baby-GPT recipe'),
             ('train, convert', 'max_iters', None, count, "iterations (MHA's for convert): 2000, train on cuda 5000"),
             ('train', 'nanogpt', None, path, "nanoGPT's model.py, to time its step next to ours"),
@@ -421,6 +426,9 @@ def main(argv=None):
     for key in [k for k, modes in only.items() if modes and args.mode not in modes and getattr(args, k) != default[k]]:
         p.error(f"{'extra arguments ' + repr(args.extra) if key == 'extra' else '--' + key} not for {args.mode} "
                 "(train.py's keys go after --, for train and convert)")
+    if owned := [x for x in args.extra if x.split('=')[0] in ('--out_dir', '--wandb_log')]:
+        p.error(f"{owned[0]}: bench.py sets it (each run gets a folder under --out)")
+    args.out = args.out or ('results' if args.readme else 'out-bench')  # results/: what the README shows
     args.layouts = [a for a in ATTN_LAYOUTS if a in args.layouts]  # in the usual order
     args.max_iters = args.max_iters or (5000 if args.mode == 'train' and args.device != 'cpu' else 2000)
     check_device(args.device, args.dtype)

@@ -25,7 +25,7 @@ class GPTConfig:
     dropout: float = 0.0
     bias: bool = False         # bias in Linears and LayerNorms, like GPT-2
     attn: str = 'mha'          # one of ATTN_LAYOUTS
-    n_kv_head: int = 0         # K/V heads of mha/gqa/mqa; 0 = the layout's default (n_head / smallest divisor > 1 / 1)
+    n_kv_head: int = 0         # K/V heads; 0 = the layout's: mha n_head, gqa n_head's smallest divisor > 1, mqa 1
     pos_emb: str = 'rope'      # 'rope', or nanoGPT's 'learned' absolute positions
     rope_base: float = 10000.0
     kv_lora_rank: int = 0      # MLA d_c, the cached latent; 0 = 4 * head_dim (DeepSeek-V2's ratio)
@@ -48,7 +48,7 @@ class GPTConfig:
                 self.bad(field, rule)
         h = self.n_head  # K/V head counts each layout allows; mla and linear have n_head heads, none shared
         allowed = {'mha': [h], 'mqa': [1], 'gqa': [d for d in range(2, h) if h % d == 0]}.get(self.attn, [h])
-        self.n_kv_head = self.n_kv_head or (allowed + [0])[0]  # 0 = the layout's default
+        self.n_kv_head = self.n_kv_head or (allowed[0] if allowed else 0)  # 0 = the layout's default
         if self.n_kv_head not in allowed:
             self.bad('n_kv_head', f"attn={self.attn!r} with n_head={h} allows {allowed} (gqa: divisors 1 < d < n_head)")
         self.kv_lora_rank = self.kv_lora_rank or 4 * self.head_dim  # 0 = the paper's ratios to head_dim
@@ -152,7 +152,7 @@ class Cache:
         return sum((b[:, :, :n] if l.grows else b).numel() * b.element_size() for l in self.layers for b in l.bufs)
 
     def reset(self):
-        """Empty again, buffers kept; only linear attention's state is zeroed (K/V past pos are never read)."""
+        """Empty again, buffers kept; only linear attention's state is zeroed (K/V past pos: sliced off or masked)."""
         self.pos = self.pos.zero_() if torch.is_tensor(self.pos) else 0
         for b in (b for layer in self.layers if not layer.grows for b in layer.bufs):
             b.zero_()
@@ -160,8 +160,8 @@ class Cache:
 # --- The attention layouts: same forward(x, rope, pos, cache) and init_cache(batch, capacity, dtype, device) ---
 
 class Attention(nn.Module):
-    """What the layouts share: splitting heads, merging them through c_proj (made after a layout's own
-    projections: the init draws the weights in that order)."""
+    """What the layouts share: heads() splits heads, out() merges them through the layout's c_proj (made after its
+    other projections: the init draws the weights in that order)."""
 
     def __init__(self, config):
         super().__init__()

@@ -44,7 +44,8 @@ for name, ok, rule in (('max_new_tokens', max_new_tokens >= 0, '>= 0'), ('top_k'
                        ('temperature', temperature == 0 or temperature >= 1e-6, '0 (greedy) or >= 1e-6'),
                        ('seed', 0 <= seed < 2 ** 62, 'in [0, 2**62)'),
                        ('num_samples', num_samples >= 1, '>= 1'),
-                       ('max_new_tokens', max_new_tokens >= 1 or not compare, '>= 1 with --compare')):
+                       ('max_new_tokens', max_new_tokens >= 1 or not compare, '>= 1 with --compare'),
+                       ('use_cache', use_cache or not compare, 'True with --compare (it runs both ways)')):
     if not ok:
         fail(f"{name}={globals()[name]!r} must be {rule}")
 check_device(device, dtype)

@@ -69,7 +69,7 @@ wandb_mode = ''                 # online / offline / disabled; '' = $WANDB_MODE,
 wandb_log_checkpoint = False    # with wandb_log: ckpt.pt (the best weights) as a W&B artifact at the end
 # data
 dataset = 'shakespeare_char'    # shakespeare_char (65 characters) or shakespeare (GPT-2 BPE)
-data_dir = ''                   # '' = data/<dataset>; prepared on first use if train.bin is missing
+data_dir = ''                   # '' = data/<dataset>, prepared on first use; a folder given must hold train.bin
 gradient_accumulation_steps = 1  # in total, over all DDP processes
 batch_size = 64                 # sequences per micro-batch
 block_size = 256                # context length
@@ -80,7 +80,7 @@ n_embd = 384                    # model width
 dropout = 0.2                   # dropout probability (embeddings, attention, residuals)
 bias = False                    # biases in Linears and LayerNorms (GPT-2 had them)
 attn = 'mha'                    # mha, gqa, mqa, mla or linear
-n_kv_head = 0                   # K/V heads of mha/gqa/mqa; 0 = n_head / smallest divisor > 1 / 1
+n_kv_head = 0                   # K/V heads; 0 = mha n_head, gqa n_head's smallest divisor > 1, mqa 1
 pos_emb = 'rope'                # rope, or learned absolute positions (nanoGPT's)
 rope_base = 10000.0             # RoPE theta base
 kv_lora_rank = 0                # MLA d_c; 0 = 4 * head_dim (DeepSeek-V2's ratio)
@@ -142,6 +142,9 @@ if init_from == 'resume' and not previous:
     fail(f"init_from='resume' but there is no checkpoint at {ckpt_path}")
 if eval_only and init_from == 'scratch' and previous:
     fail(f"eval_only=True would evaluate a new random model, not {previous[0]}: add --init_from=resume")
+if data_dir and not os.path.exists(os.path.join(data_dir, 'train.bin')):  # a typo must not train on another text
+    fail(f"no train.bin in data_dir={data_dir!r}: make one with data/shakespeare_char/prepare.py --input FILE "
+         f"--out_dir {data_dir}, or leave data_dir empty for data/{dataset}/")
 
 # DDP: one process per device, launched by torchrun
 ddp = int(os.environ.get('RANK', -1)) != -1
@@ -283,8 +286,11 @@ if init_from == 'resume':
     print(f"resuming from {resume_path} at iteration {iter_num}")
 elif converting:  # MHA -> GQA/MQA: mean-pool the K/V heads of init_from/ckpt.pt, then train on
     source, source_cfg = load_checkpoint(os.path.join(init_from, 'ckpt.pt'))
-    if attn not in ('mha', 'gqa', 'mqa') or source_cfg.vocab_size != meta['vocab_size']:
-        fail(f"converting {init_from} needs attn in mha/gqa/mqa (not {attn!r}) and the same vocabulary")
+    if attn not in ('mha', 'gqa', 'mqa'):
+        fail(f"converting {init_from} pools K/V heads: attn must be mha, gqa or mqa, not {attn!r}")
+    if source_cfg.vocab_size != meta['vocab_size']:
+        fail(f"converting {init_from} needs its vocabulary: it has {source_cfg.vocab_size} tokens, the data in "
+             f"{data_dir} {meta['vocab_size']}")
     # the source's shape (and MLP), this run's K/V heads and dropout; a flag asking for another shape is a mistake
     conflicts = [f"--{k}={config[k]} (the checkpoint has {getattr(source_cfg, k)})" for k in model_keys
                  if k in given and k not in ('attn', 'n_kv_head', 'dropout', 'match_mha_params')

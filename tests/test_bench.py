@@ -17,7 +17,7 @@ def bench(*args):
     r = subprocess.run([sys.executable, 'bench.py', *args], cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     assert args[0] == 'cache' or re.search(r"^\[ *\d+ s\] \S", r.stderr, re.M), r.stderr  # progress, never silent
-    out = next((a.split('=', 1)[1] for a in args if a.startswith('--out=')), 'results')  # every plot: a file in --out,
+    out = next((a.split('=', 1)[1] for a in args if a.startswith('--out=')), 'out-bench')  # every plot: a file in --out,
     links = re.findall(r"!\[[^]]*\]\(([^)]+)\)", r.stdout)  # linked relative to the report (it sits in --out too)
     assert all(os.path.isfile(os.path.join(out, link)) and '/' not in link for link in links), r.stdout
     return r.stdout
@@ -94,7 +94,10 @@ def test_convert_experiment_on_a_tiny_model(tmp_path, char_data):
     out = bench('convert', '--max_iters=4', '--fractions=0,0.5', f'--out={tmp_path}', '--',
                 '--n_layer=1', '--n_embd=32', '--eval_iters=2', f'--data_dir={char_data}')
     headline, every = out.split('**Every run**')
-    assert 'no uptraining' in headline and 'uptrained 50.0%' not in headline  # the summary: no 5% run here
+    assert out.startswith('`python bench.py convert --max_iters=4 --lr=0.001 --fractions=0,0.5 -- --n_layer=1 ')
+    assert 'no uptraining' in headline and 'uptrained 50.0%' in headline  # the summary: 5%, or the nearest run
+    assert re.search(r"^Share of the gap .* that 50% uptraining closes: GQA, 2 K/V heads (\d+%|: no gap), MQA", headline,
+                     re.M), headline
     rows = re.findall(r"\| (MHA|GQA, 2 K/V heads|MQA) \| ([^|]+) \| ([\d +]+) \| ([\d.]+)M \| ([\d,]+) \| ([\d.]+) \| ", every)
     assert [(r[0], r[1], r[2]) for r in rows] == [
         ('MHA', 'trained from scratch', '4'),
@@ -114,7 +117,6 @@ def test_convert_experiment_on_a_tiny_model(tmp_path, char_data):
         (it0, pooled), = evals(f'{attn}-uptrain-0')
         start, end = evals(f'{attn}-uptrain-2')  # a fresh log that starts from the pooled weights
         assert it0 == start[0] == 0 and start[1] == pooled and end[0] == 2
-    assert 'Share of the gap' not in out  # 5% of 4 iterations is no uptraining: nothing to report
 
 
 def test_bad_arguments_are_one_line(tmp_path, capsys, monkeypatch):
@@ -139,6 +141,8 @@ def test_bad_arguments_are_one_line(tmp_path, capsys, monkeypatch):
                       (['train', '--n_layer=1'], "--n_layer not for train (train.py's keys go after --"),
                       (['decode', '--', '--n_layer=1'], "extra arguments ['--n_layer=1'] not for decode"),
                       (['convert', '--nanogpt=bench.py'], "--nanogpt not for convert"),
+                      (['convert', '--layouts=mha'], "--layouts not for convert"),
+                      (['train', '--', '--out_dir=x'], "--out_dir=x: bench.py sets it"), ([], "argument is required: mode"),
                       (['decode', '--batch=0'], "--batch: '0': give an integer >= 1")):
         with pytest.raises(SystemExit) as e:  # in process: main() checks every argument before any work
             bench_module.main(args)
@@ -149,6 +153,13 @@ def test_bad_arguments_are_one_line(tmp_path, capsys, monkeypatch):
         bench_module.main(['cache', '--readme', f'--out={tmp_path / "new"}'])
     assert e.value.code == 2 and "no README.md here with a '<!-- cache-table -->'" in capsys.readouterr().err
     assert (tmp_path / 'a-file').read_text() == 'results go in a folder' and not (tmp_path / 'new').exists()
+
+
+def test_results_only_with_readme(tmp_path, monkeypatch):
+    """A plain run writes to out-bench/ (never the committed results/ the README is checked against)."""
+    monkeypatch.chdir(tmp_path)
+    bench_module.main(['cache', '--layouts=mqa'])
+    assert os.listdir(tmp_path) == ['out-bench'] and os.listdir(tmp_path / 'out-bench') == ['cache.md']
 
 
 def test_no_profiler_lines_on_stderr():

@@ -78,6 +78,15 @@ def test_train_py_converts_an_mha_checkpoint(tmp_path, char_data):
                           f'--out_dir={tmp_path / "x"}', f'--data_dir={char_data}'], cwd=ROOT,
                          capture_output=True, text=True)
     assert bad.returncode == 2 and "this one is 'gqa'" in bad.stderr and 'Traceback' not in bad.stderr
+    from conftest import SHAKESPEARE
+    from data.shakespeare_char.prepare import prepare
+    (tmp_path / 'lower.txt').write_text(open(SHAKESPEARE).read()[:20_000].lower())  # fewer characters
+    prepare(str(tmp_path / 'lower'), str(tmp_path / 'lower.txt'))
+    for args, said in (([f'--data_dir={char_data}', '--attn=mla'], "attn must be mha, gqa or mqa, not 'mla'"),
+                       ([f'--data_dir={tmp_path / "lower"}', '--attn=gqa'], "needs its vocabulary: it has 65 tokens")):
+        bad = subprocess.run([sys.executable, 'train.py', *TINY, *args, f'--init_from={tmp_path / "mha"}',
+                              f'--out_dir={tmp_path / "x"}'], cwd=ROOT, capture_output=True, text=True)
+        assert bad.returncode == 2 and said in bad.stderr and len(bad.stderr.strip().splitlines()) == 1, bad.stderr
     before = (tmp_path / 'mha' / 'ckpt.pt').read_bytes()
     same = subprocess.run([sys.executable, 'train.py', *TINY, '--attn=mqa', f'--init_from={tmp_path / "mha"}',
                            f'--out_dir={tmp_path / "mha" / "."}', f'--data_dir={char_data}'], cwd=ROOT,

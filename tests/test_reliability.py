@@ -98,7 +98,8 @@ TRAIN_CASES = [
     (['--init_from=resume', '--out_dir=STRITER'], "no iter_num of the right kind in it"),
     (['--data_dir=RANDOM'], "train.bin holds token id"),  # an IndexError at the first eval before
     (['--data_dir=SMALLVOCAB'], "train.bin holds token id 64, outside meta.json's vocab_size 10"),
-    (['--data_dir=AFILE'], "cannot write the dataset to"),
+    (['--data_dir=AFILE'], "no train.bin in data_dir="),  # a data_dir given is never prepared into: a typo trained
+    (['--data_dir=/nonexistent/mien'], "no train.bin in data_dir='/nonexistent/mien': make one with"),  # on Shakespeare
     (['--attn=mla', '--match_mha_params=True', '--kv_lora_rank=256'], "the MLP would need -"),
     (['--max_iters=2'], "ckpt.pt exists: continue that run with --init_from=resume, replace it with --overwrite=True"),
     (['--overwrite=True', '--wandb_log=True', '--wandb_mode=bogus'], "wandb_mode='bogus' should be online, offline"),

@@ -27,7 +27,7 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
-from configurator import check_device, memory_errors_in_one_line
+from configurator import check_device, check_memory, memory_errors_in_one_line
 from model import GPT, GPTConfig, ATTN_LAYOUTS
 
 os.environ.setdefault('KINETO_LOG_LEVEL', '6')  # no 'USDT: profiler_start' lines (inductor profiles GPU kernels)
@@ -436,8 +436,9 @@ def main(argv=None):
     readme = open('README.md').read() if args.readme and os.path.isfile('README.md') else ''
     start, end = f"<!-- {args.mode}-table -->", f"<!-- /{args.mode}-table -->"
     try:
-        for attn in args.layouts if args.mode == 'decode' else []:
-            GPTConfig(attn=attn, **sizes)
+        caches = sum(GPTConfig(attn=attn, **sizes).cache_bytes(args.t + 1, getattr(torch, args.dtype)) * args.batch
+                     for attn in (args.layouts if args.mode == 'decode' else []))  # the roofline holds them all at once
+        check_memory(caches * (1 + args.compile), args.device, f"--t={args.t} --batch={args.batch}: the roofline's caches")
         if args.readme and not (start in readme and end in readme):
             raise ValueError(f"no README.md here with a '{start}' ... '{end}' section to rewrite")
         os.makedirs(args.out, exist_ok=True)  # only once every argument is checked

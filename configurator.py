@@ -37,6 +37,20 @@ def check_device(device, dtype):
         fail(f"device={device!r} but CUDA is not available here; use --device=cpu")
 
 
+def check_memory(need, device, what):
+    """One line and exit 2 when a size's lower bound of memory, need bytes, exceeds the device's: past it Linux kills
+    the process with no error to catch (a GPU fails deep inside a step)."""
+    import torch
+    if device.startswith('cuda'):
+        have = torch.cuda.get_device_properties(torch.device(device)).total_memory
+    elif hasattr(os, 'sysconf'):
+        have = os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES')
+    else:
+        return
+    if need > have:
+        fail(f"{what} need at least {need / 1e9:,.1f} GB; this {device.split(':')[0].upper()} has {have / 1e9:,.1f} GB")
+
+
 def memory_errors_in_one_line(sizes='batch_size, block_size, the model'):
     """Out of memory (a size too large for this machine) is one line on stderr, not a traceback."""
     default = sys.excepthook
@@ -73,6 +87,8 @@ def parse_value(text, default):
         return text  # strings need no quotes: --attn=mla
     if isinstance(default, bool) and text.lower() in ('true', 'false'):
         return text.lower() == 'true'
+    if isinstance(default, float) and text.lower().lstrip('+-') in ('nan', 'inf', 'infinity'):
+        return float(text)  # then refused by check() as not finite, not as a string
     try:
         return ast.literal_eval(text)
     except (ValueError, SyntaxError):

@@ -14,7 +14,7 @@ import time
 
 import torch
 
-from configurator import check_device, configure, describe, fail, memory_errors_in_one_line
+from configurator import check_device, check_memory, configure, describe, fail, memory_errors_in_one_line
 from data.common import PrepareError, check_meta, tokenizer
 from model import GPT, GPTConfig
 
@@ -70,6 +70,9 @@ try:
 except Exception as e:  # truncated, corrupted or foreign files all land here
     fail(f"cannot load checkpoint {ckpt_path}: {describe(e)}")
 ptdtype = {'float32': torch.float32, 'bfloat16': torch.bfloat16, 'float16': torch.float16}[dtype]
+cfg = model.config  # at least: a full cache and the residual stream of a full window, per sample
+check_memory(num_samples * (cfg.cache_bytes(cfg.block_size, ptdtype) + cfg.block_size * cfg.n_embd * ptdtype.itemsize),
+             device, f"num_samples={num_samples}: the caches and activations")
 model.eval().to(device=device, dtype=ptdtype)
 if compile:  # in place: stream() calls self(...), which a torch.compile(model) wrapper would not reach; on CUDA
     model.compile(mode='reduce-overhead' if 'cuda' in device else None)  # each decode step one CUDA graph replay
@@ -133,7 +136,6 @@ if not compare:
 
 # --compare: the same samples both ways, same seed; a short warm-up of each way, then 3 rounds taking turns
 # (one timing alone swings several-fold on a busy machine)
-cfg = model.config
 speed, result = {True: [], False: []}, {}
 for r in range(4):  # round 0: the warm-up
     for cached in (True, False):  # a line each on stderr: without the cache the baby GPT takes minutes on a CPU

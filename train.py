@@ -44,7 +44,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from configurator import check_device, configure, describe, fail, memory_errors_in_one_line
+from configurator import check_device, check_memory, configure, describe, fail, memory_errors_in_one_line
 from convert import pool_kv_heads
 from data.common import PrepareError, check_meta, run_prepare, tokenizer
 from model import GPT, GPTConfig, mlp_hidden
@@ -306,6 +306,10 @@ try:
 except ValueError as e:  # this run's K/V heads for the source's n_head
     fail(f"converting {init_from}: {e}")
 block_size, tokens_per_iter = gptconf.block_size, tokens_per_iter // block_size * gptconf.block_size  # (converted)
+# a lower bound per token: a dozen n_embd-wide tensors per layer kept for backward, the fp32 logits and their gradient
+per_token = 12 * gptconf.n_layer * gptconf.n_embd * (4 if dtype == 'float32' else 2) + 8 * gptconf.vocab_size
+check_memory(batch_size * block_size * per_token, device, f"batch_size={batch_size} x block_size={block_size}: "
+             f"the activations of one micro-batch")
 model = GPT(gptconf)
 if converting:
     try:

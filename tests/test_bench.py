@@ -143,7 +143,8 @@ def test_bad_arguments_are_one_line(tmp_path, capsys, monkeypatch):
                       (['convert', '--nanogpt=bench.py'], "--nanogpt not for convert"),
                       (['convert', '--layouts=mha'], "--layouts not for convert"),
                       (['train', '--', '--out_dir=x'], "--out_dir=x: bench.py sets it"), ([], "argument is required: mode"),
-                      (['decode', '--batch=0'], "--batch: '0': give an integer >= 1")):
+                      (['decode', '--batch=0'], "--batch: '0': give an integer >= 1"),
+                      (['decode', '--t=100000000'], "--t=100000000 --batch=16: the roofline's caches need at least")):
         with pytest.raises(SystemExit) as e:  # in process: main() checks every argument before any work
             bench_module.main(args)
         err = capsys.readouterr().err

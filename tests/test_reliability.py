@@ -75,6 +75,8 @@ def broken_checkpoint(tmp, trained, kind):
 TRAIN_CASES = [
     (['--learning_rate=0'], "learning_rate=0.0 must be > 0"),
     (['--batch_size=0'], "batch_size=0 must be >= 1"),
+    (['--batch_size=1000000000', '--overwrite=True'], "the activations of one micro-batch need at least"),  # was killed by Linux's OOM
+    (['--learning_rate=nan'], "learning_rate=nan should be a finite number"),
     (['--block_size=0'], "GPTConfig.block_size=0 is invalid"),
     (['--n_layer=-2'], "GPTConfig.n_layer=-2 is invalid"),
     (['--n_head=3'], "GPTConfig.n_embd=64 is invalid: must be divisible by n_head=3"),
@@ -94,7 +96,8 @@ TRAIN_CASES = [
     (['--seed=99999999999999999999999'], "seed=99999999999999999999999 must be in [0, 2**62)"),
     (['--learning_rate=1e999'], "learning_rate=inf should be a finite number"),
     (['--eval_only=True'], "eval_only=True would evaluate a new random model, not"),
-    (['--n_embd=1048576', '--n_head=1', '--overwrite=True'], "error: out of memory ("),
+    (['--n_embd=1048576', '--n_head=1', '--batch_size=1', '--block_size=8', '--overwrite=True'],
+     "error: out of memory ("),  # the weights: past the activations' bound, an allocation that fails
     (['--init_from=resume', '--out_dir=STRITER'], "no iter_num of the right kind in it"),
     (['--data_dir=RANDOM'], "train.bin holds token id"),  # an IndexError at the first eval before
     (['--data_dir=SMALLVOCAB'], "train.bin holds token id 64, outside meta.json's vocab_size 10"),

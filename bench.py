@@ -128,8 +128,8 @@ def train_report(args):
         f'--eval_interval={every}', '--log_interval=1', *args.extra]) for attn in args.layouts}
     for attn, run in runs.items():
         last, best = run['evals'][-1], min(run['evals'], key=lambda r: r['val/loss'])
-        steps = [r for r in run['rows'] if 'ms_per_iter' in r]  # those with no evaluation, if there are any
-        ms = statistics.median(r['ms_per_iter'] for r in [r for r in steps if r['iter'] % every] or steps)
+        steps = [row for row in run['rows'] if 'ms_per_iter' in row]  # those with no evaluation, if there are any
+        ms = statistics.median(row['ms_per_iter'] for row in [s for s in steps if s['iter'] % every] or steps)
         rows.append(f"| {attn} | {run['params']}M | {last['cache_bytes_per_token']:,.0f} | {last['train/loss']:.4f} | "
                     f"{last['val/loss']:.4f} | {best['val/loss']:.4f} ({best['iter']}) | {ms:.1f} | "
                     f"{run['tokens'] / ms * 1000:,.0f} |")
@@ -312,7 +312,7 @@ def generation(layouts, sizes, device, dtype, compile=False, prompt=16, new=240,
     for attn in layouts:
         progress(f"generation: {attn}")
         models = dict.fromkeys(kinds, GPT(GPTConfig(attn=attn, **sizes, block_size=256)).to(device, dtype).eval())
-        if compile:  # a copy, compiled in place (stream() calls self(...))
+        if compile:  # one model every way; compiled: a copy, compiled in place (stream() calls self(...))
             models['cache, compiled'] = copy.deepcopy(models['cache'])
             models['cache, compiled'].compile(**compile_options(device))
         for batch in batches:

@@ -68,7 +68,7 @@ def tokenizer(meta):
             unknown = sorted(set(c for c in s if c not in stoi))
             if unknown:
                 raise ValueError(f"characters outside the vocabulary: {''.join(unknown)!r} "
-                                 f"({', '.join(repr(c) for c in unknown)})")
+                                 f"({', '.join(ascii(c) for c in unknown)})")
             return [stoi[c] for c in s]
         return encode, lambda ids: ''.join(meta['itos'][i] for i in ids)
     import tiktoken

@@ -101,7 +101,7 @@ def test_top_p_tiny_is_greedy_and_top_k_one_is_greedy(ckpt_dir):
 
 
 @pytest.mark.parametrize('args,message', [
-    (['--start=héllo ☃'], "the prompt has characters outside the vocabulary: 'é☃'"),
+    (['--start=héllo ☃'], "the prompt has characters outside the vocabulary: 'é☃' ('\\xe9', '\\u2603')"),
     (['--start='], "the prompt is empty"),
     (['--max_new_tokens=-1'], "max_new_tokens=-1 must be >= 0"),
     (['--top_k=0'], "top_k=0 must be >= 1"),

@@ -204,8 +204,9 @@ def convert_report(args):
                     + ", ".join(f"{name[a]} {(val[a, 0] - val[a, shown]) / (val[a, 0] - mha):.0%}" if val[a, 0] > mha
                                 else f"{name[a]}: no gap" for a in ('gqa', 'mqa')) + ".\n")
     fractions = ','.join(f'{f:g}' for f in args.fractions)
+    evals = next((x.split('=')[1] for x in args.extra if x.startswith('--eval_iters=')), 200)  # the extras' come last
     return (f"`{command(args, f'--max_iters={iters}', f'--lr={lr:g}', f'--fractions={fractions}')}` on {machine()}: "
-            "config/cpu.py (4 layers, 4 heads, 128 wide, block 64), seed 1337, val loss = mean of the same 200 val "
+            f"config/cpu.py (4 layers, 4 heads, 128 wide, block 64), seed 1337, val loss = mean of the same {evals} val "
             "batches.\n\n" + summary + MORE + "\n**Every run**:\n\n" + table(header, list(rows.values())) +
             f"\nUptraining: peak learning rate {lr:g}, warmup a tenth of the run, cosine to {lr / 10:g}.\n")
 
@@ -405,7 +406,7 @@ def main(argv=None):
     for modes, flag, default, kind, what in (  # '' = for every mode
             ('cache, train, decode', 'layouts', ','.join(ATTN_LAYOUTS), layouts, 'a comma-separated subset'),
             ('', 'out', None, str, 'folder for runs, reports and plots (default: out-bench; with --readme: results)'),
-            ('', 'device', 'cpu', str, 'cpu or cuda[:N]; train on cuda runs the full baby-GPT recipe'),
+            ('train, decode', 'device', 'cpu', str, 'cpu or cuda[:N]; train on cuda runs the full baby-GPT recipe'),
             ('train, convert', 'max_iters', None, count, "iterations (MHA's for convert): 2000, train on cuda 5000"),
             ('train', 'nanogpt', None, path, "nanoGPT's model.py, to time its step next to ours"),
             ('convert', 'fractions', '0,0.01,0.025,0.05,0.1', fractions, 'uptraining, fractions of max_iters'),
@@ -426,8 +427,11 @@ def main(argv=None):
     for key in [k for k, modes in only.items() if modes and args.mode not in modes and getattr(args, k) != default[k]]:
         p.error(f"{'extra arguments ' + repr(args.extra) if key == 'extra' else '--' + key} not for {args.mode} "
                 "(train.py's keys go after --, for train and convert)")
-    if owned := [x for x in args.extra if x.split('=')[0] in ('--out_dir', '--wandb_log')]:
-        p.error(f"{owned[0]}: bench.py sets it (each run gets a folder under --out)")
+    owned = ['out_dir', 'wandb_log', 'attn', 'device', 'max_iters', 'lr_decay_iters', 'eval_interval', 'log_interval']
+    owned += ['n_kv_head', 'init_from', 'learning_rate', 'min_lr', 'warmup_iters', 'match_mha_params'] * (
+        args.mode == 'convert')
+    if clash := [x for x in args.extra if x.lstrip('-').split('=')[0] in owned]:
+        p.error(f"{clash[0]}: bench.py sets that key itself")
     args.out = args.out or ('results' if args.readme else 'out-bench')  # results/: what the README shows
     args.layouts = [a for a in ATTN_LAYOUTS if a in args.layouts]  # in the usual order
     args.max_iters = args.max_iters or (5000 if args.mode == 'train' and args.device != 'cpu' else 2000)
@@ -436,9 +440,13 @@ def main(argv=None):
     readme = open('README.md').read() if args.readme and os.path.isfile('README.md') else ''
     start, end = f"<!-- {args.mode}-table -->", f"<!-- /{args.mode}-table -->"
     try:
-        caches = sum(GPTConfig(attn=attn, **sizes).cache_bytes(args.t + 1, getattr(torch, args.dtype)) * args.batch
-                     for attn in (args.layouts if args.mode == 'decode' else []))  # the roofline holds them all at once
-        check_memory(caches * (1 + args.compile), args.device, f"--t={args.t} --batch={args.batch}: the roofline's caches")
+        dtype = getattr(torch, args.dtype)
+        cfgs = [GPTConfig(attn=a, **sizes) for a in args.layouts] if args.mode == 'decode' else []
+        with torch.device('meta'):  # counted, not allocated: the roofline holds every layout's weights and cache
+            need = sum(sum(p.numel() for p in GPT(c).parameters()) * dtype.itemsize +
+                       c.cache_bytes(args.t + 1, dtype) * args.batch * (1 + args.compile) for c in cfgs)
+        need += max([sum(c.cache_bytes(n + 1, dtype) for n in args.contexts) for c in cfgs], default=0)  # 1 at a time
+        check_memory(need, args.device, f"--t={args.t}, --batch={args.batch}, --contexts, the sizes: weights and caches")
         if args.readme and not (start in readme and end in readme):
             raise ValueError(f"no README.md here with a '{start}' ... '{end}' section to rewrite")
         os.makedirs(args.out, exist_ok=True)  # only once every argument is checked

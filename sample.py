@@ -70,9 +70,10 @@ try:
 except Exception as e:  # truncated, corrupted or foreign files all land here
     fail(f"cannot load checkpoint {ckpt_path}: {describe(e)}")
 ptdtype = {'float32': torch.float32, 'bfloat16': torch.bfloat16, 'float16': torch.float16}[dtype]
-cfg = model.config  # at least: a full cache and the residual stream of a full window, per sample
-check_memory(num_samples * (cfg.cache_bytes(cfg.block_size, ptdtype) + cfg.block_size * cfg.n_embd * ptdtype.itemsize),
-             device, f"num_samples={num_samples}: the caches and activations")
+cfg = model.config  # at least: the weights, and per sample a full cache and the residual stream of a full window
+check_memory(sum(p.numel() for p in model.parameters()) * ptdtype.itemsize + num_samples * (
+    cfg.cache_bytes(cfg.block_size, ptdtype) + cfg.block_size * cfg.n_embd * ptdtype.itemsize),
+    device, f"num_samples={num_samples}: the weights, caches and activations")
 model.eval().to(device=device, dtype=ptdtype)
 if compile:  # in place: stream() calls self(...), which a torch.compile(model) wrapper would not reach; on CUDA
     model.compile(mode='reduce-overhead' if 'cuda' in device else None)  # each decode step one CUDA graph replay

@@ -142,9 +142,9 @@ if init_from == 'resume' and not previous:
     fail(f"init_from='resume' but there is no checkpoint at {ckpt_path}")
 if eval_only and init_from == 'scratch' and previous:
     fail(f"eval_only=True would evaluate a new random model, not {previous[0]}: add --init_from=resume")
+remake = f"python data/{dataset}/prepare.py --input FILE --out_dir {data_dir}" if data_dir else "delete it and run again"
 if data_dir and not os.path.exists(os.path.join(data_dir, 'train.bin')):  # a typo must not train on another text
-    fail(f"no train.bin in data_dir={data_dir!r}: make one with data/shakespeare_char/prepare.py --input FILE "
-         f"--out_dir {data_dir}, or leave data_dir empty for data/{dataset}/")
+    fail(f"no train.bin in data_dir={data_dir!r}: make one ({remake}), or leave data_dir empty for data/{dataset}/")
 
 # DDP: one process per device, launched by torchrun
 ddp = int(os.environ.get('RANK', -1)) != -1
@@ -218,7 +218,7 @@ try:
         if top >= meta['vocab_size']:  # an embedding lookup would fail at the first batch that holds it
             raise ValueError(f"{split}.bin holds token id {top}, outside meta.json's vocab_size {meta['vocab_size']}")
 except (OSError, ValueError) as e:
-    fail(f"dataset in {data_dir} is missing or broken ({e}); delete it and run again to prepare it anew")
+    fail(f"dataset in {data_dir} is missing or broken ({e}); prepare it anew: {remake}")
 if previous and init_from != 'resume' and not eval_only and not overwrite:
     fail(f"{previous[0]} exists: continue that run with --init_from=resume, replace it with --overwrite=True, "
          f"or pass another --out_dir")
@@ -274,9 +274,9 @@ if init_from == 'resume':
     loaded = None
     iter_num, best_val_loss = checkpoint['iter_num'], checkpoint['best_val_loss']
     wandb_id = checkpoint.get('wandb_id')  # a resumed run continues its W&B run
-    if saved.vocab_size != asked.vocab_size:
-        fail(f"{resume_path} was trained on a vocabulary of {saved.vocab_size}, this dataset has {asked.vocab_size}; "
-             f"resume with its --dataset / --data_dir or change out_dir")
+    if checkpoint.get('meta') != meta:  # the same tokens, not only as many
+        fail(f"{resume_path} was trained on another vocabulary ({saved.vocab_size} tokens) than the data in {data_dir} "
+             f"({asked.vocab_size}); resume with its --dataset / --data_dir or change out_dir")
     if flags(saved, asked):
         fail(f"{resume_path} is another model ({', '.join(flags(saved, asked))} in it); add those settings to "
              f"resume it, or change out_dir")
@@ -288,9 +288,9 @@ elif converting:  # MHA -> GQA/MQA: mean-pool the K/V heads of init_from/ckpt.pt
     source, source_cfg = load_checkpoint(os.path.join(init_from, 'ckpt.pt'))
     if attn not in ('mha', 'gqa', 'mqa'):
         fail(f"converting {init_from} pools K/V heads: attn must be mha, gqa or mqa, not {attn!r}")
-    if source_cfg.vocab_size != meta['vocab_size']:
+    if source.get('meta') != meta:  # the same tokens, not only as many
         fail(f"converting {init_from} needs its vocabulary: it has {source_cfg.vocab_size} tokens, the data in "
-             f"{data_dir} {meta['vocab_size']}")
+             f"{data_dir} another ({meta['vocab_size']})")
     # the source's shape (and MLP), this run's K/V heads and dropout; a flag asking for another shape is a mistake
     conflicts = [f"--{k}={config[k]} (the checkpoint has {getattr(source_cfg, k)})" for k in model_keys
                  if k in given and k not in ('attn', 'n_kv_head', 'dropout', 'match_mha_params')
@@ -306,10 +306,12 @@ try:
 except ValueError as e:  # this run's K/V heads for the source's n_head
     fail(f"converting {init_from}: {e}")
 block_size, tokens_per_iter = gptconf.block_size, tokens_per_iter // block_size * gptconf.block_size  # (converted)
-# a lower bound per token: a dozen n_embd-wide tensors per layer kept for backward, the fp32 logits and their gradient
+with torch.device('meta'):  # counted, not allocated: fp32 weights, gradients and AdamW's two moments, 16 bytes each
+    n_params = sum(p.numel() for p in GPT(gptconf).parameters())
+# and per token, at least: a dozen n_embd-wide tensors a layer kept for backward, fp32 logits and their gradient
 per_token = 12 * gptconf.n_layer * gptconf.n_embd * (4 if dtype == 'float32' else 2) + 8 * gptconf.vocab_size
-check_memory(batch_size * block_size * per_token, device, f"batch_size={batch_size} x block_size={block_size}: "
-             f"the activations of one micro-batch")
+check_memory(16 * n_params + batch_size * block_size * per_token, device, f"{n_params / 1e6:,.1f}M parameters and "
+             f"batch_size={batch_size} x block_size={block_size}: the weights, optimizer and activations")
 model = GPT(gptconf)
 if converting:
     try:

@@ -142,9 +142,13 @@ def test_bad_arguments_are_one_line(tmp_path, capsys, monkeypatch):
                       (['decode', '--', '--n_layer=1'], "extra arguments ['--n_layer=1'] not for decode"),
                       (['convert', '--nanogpt=bench.py'], "--nanogpt not for convert"),
                       (['convert', '--layouts=mha'], "--layouts not for convert"),
-                      (['train', '--', '--out_dir=x'], "--out_dir=x: bench.py sets it"), ([], "argument is required: mode"),
+                      (['train', '--', '--out_dir=x'], "--out_dir=x: bench.py sets that key itself"),
+                      (['train', '--', '--attn=linear'], "--attn=linear: bench.py sets that key itself"),
+                      (['convert', '--', '--learning_rate=1'], "--learning_rate=1: bench.py sets that key itself"),
+                      (['convert', '--device=cuda'], "--device not for convert"), ([], "argument is required: mode"),
                       (['decode', '--batch=0'], "--batch: '0': give an integer >= 1"),
-                      (['decode', '--t=100000000'], "--t=100000000 --batch=16: the roofline's caches need at least")):
+                      (['decode', '--t=100000000'], "--t=100000000, --batch=16, --contexts, the sizes: weights and caches need"),
+                      (['decode', '--contexts=100000000'], "weights and caches need at least")):
         with pytest.raises(SystemExit) as e:  # in process: main() checks every argument before any work
             bench_module.main(args)
         err = capsys.readouterr().err

@@ -73,3 +73,17 @@ def test_help_lists_every_key_with_its_default_and_comment(script, flag):
     assert re.search(r"^  --top_k=200 +keep the k most" if script == 'sample.py' else r"^  --max_iters=5000 ", r.stdout, re.M)
     bad = subprocess.run([sys.executable, script, '--interrupted=True'], cwd=ROOT, capture_output=True, text=True)
     assert bad.returncode == 2 and "unknown config key 'interrupted'" in bad.stderr  # the signal flag is no key
+
+
+@pytest.mark.parametrize('raised', ["MemoryError('boom')", "RuntimeError(\"DefaultCPUAllocator: can't allocate memory\")",
+                                    "RuntimeError('CUDA out of memory. Tried to allocate')", "ValueError('other')"])
+def test_memory_errors_are_one_line(raised):
+    """What passes the size checks and still fails to allocate: one line and exit 2; other errors keep their traceback."""
+    r = subprocess.run([sys.executable, '-c', "from configurator import memory_errors_in_one_line\n"
+                        f"memory_errors_in_one_line('--batch_size')\nraise {raised}"], cwd=ROOT, capture_output=True,
+                       text=True)
+    if 'other' in raised:
+        assert r.returncode == 1 and 'Traceback' in r.stderr
+    else:
+        assert r.returncode == 2 and r.stderr.startswith("error: out of memory (") and r.stderr.count('\n') == 1
+        assert r.stderr.rstrip().endswith("try smaller sizes (--batch_size)"), r.stderr

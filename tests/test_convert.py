@@ -82,10 +82,15 @@ def test_train_py_converts_an_mha_checkpoint(tmp_path, char_data):
     from data.shakespeare_char.prepare import prepare
     (tmp_path / 'lower.txt').write_text(open(SHAKESPEARE).read()[:20_000].lower())  # fewer characters
     prepare(str(tmp_path / 'lower'), str(tmp_path / 'lower.txt'))
+    (tmp_path / 'greek.txt').write_text(open(SHAKESPEARE).read().replace('Z', 'Ω'))  # as many, not the same
+    prepare(str(tmp_path / 'greek'), str(tmp_path / 'greek.txt'))
     for args, said in (([f'--data_dir={char_data}', '--attn=mla'], "attn must be mha, gqa or mqa, not 'mla'"),
-                       ([f'--data_dir={tmp_path / "lower"}', '--attn=gqa'], "needs its vocabulary: it has 65 tokens")):
-        bad = subprocess.run([sys.executable, 'train.py', *TINY, *args, f'--init_from={tmp_path / "mha"}',
-                              f'--out_dir={tmp_path / "x"}'], cwd=ROOT, capture_output=True, text=True)
+                       ([f'--data_dir={tmp_path / "lower"}', '--attn=gqa'], "needs its vocabulary: it has 65 tokens"),
+                       ([f'--data_dir={tmp_path / "greek"}', '--attn=gqa'], "the data in " + str(tmp_path / 'greek')),
+                       ([f'--data_dir={tmp_path / "greek"}', '--init_from=resume', f'--out_dir={tmp_path / "mha"}'],
+                        "was trained on another vocabulary (65 tokens)")):
+        bad = subprocess.run([sys.executable, 'train.py', *TINY, f'--init_from={tmp_path / "mha"}',
+                              f'--out_dir={tmp_path / "x"}', *args], cwd=ROOT, capture_output=True, text=True)
         assert bad.returncode == 2 and said in bad.stderr and len(bad.stderr.strip().splitlines()) == 1, bad.stderr
     before = (tmp_path / 'mha' / 'ckpt.pt').read_bytes()
     same = subprocess.run([sys.executable, 'train.py', *TINY, '--attn=mqa', f'--init_from={tmp_path / "mha"}',

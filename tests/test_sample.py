@@ -107,7 +107,7 @@ def test_top_p_tiny_is_greedy_and_top_k_one_is_greedy(ckpt_dir):
     (['--top_k=0'], "top_k=0 must be >= 1"),
     (['--top_p=0'], "top_p=0.0 must be in (0, 1]"),
     (['--top_p=1.5'], "top_p=1.5 must be in (0, 1]"),
-    (['--num_samples=1000000000'], "num_samples=1000000000: the caches and activations need at least"),
+    (['--num_samples=1000000000'], "num_samples=1000000000: the weights, caches and activations need at least"),
     (['--compare', '--use_cache=False'], "use_cache=False must be True with --compare (it runs both ways)"),
     (['--temperature=-1'], "temperature=-1.0 must be 0 (greedy) or >= 1e-6"),
     (['--start=FILE:/no/such'], "cannot read the prompt file '/no/such'"),

@@ -50,7 +50,8 @@ class GPTConfig:
         allowed = {'mha': [h], 'mqa': [1], 'gqa': [d for d in range(2, h) if h % d == 0]}.get(self.attn, [h])
         self.n_kv_head = self.n_kv_head or (allowed[0] if allowed else 0)  # 0 = the layout's default
         if self.n_kv_head not in allowed:
-            self.bad('n_kv_head', f"attn={self.attn!r} with n_head={h} allows {allowed} (gqa: divisors 1 < d < n_head)")
+            rule = 'divisors 1 < d < n_head' if self.attn == 'gqa' else 'or 0, its default'
+            self.bad('n_kv_head', f"attn={self.attn!r} with n_head={h} allows {allowed} ({rule})")
         self.kv_lora_rank = self.kv_lora_rank or 4 * self.head_dim  # 0 = the paper's ratios to head_dim
         self.rope_head_dim = self.rope_head_dim or max(2, self.head_dim // 4 * 2)
         if self.attn == 'mla' and self.rope_head_dim % 2:

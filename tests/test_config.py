@@ -12,7 +12,7 @@ BAD = [
     (dict(attn='gqa', n_head=5, n_embd=40), r"n_kv_head.*\[\]"),
     (dict(attn='mha', n_kv_head=3), r"n_kv_head=3.*allows \[6\]"),
     (dict(attn='mqa', n_kv_head=2), r"n_kv_head.*allows \[1\]"),
-    (dict(attn='mla', n_kv_head=2), r"n_kv_head.*allows \[6\]"),
+    (dict(attn='mla', n_kv_head=2), r"n_kv_head.*allows \[6\] \(or 0, its default\)$"),
     (dict(n_kv_head=-1), r"n_kv_head.*>= 0"),
     (dict(attn='mla', rope_head_dim=7), r"rope_head_dim.*even"),
     (dict(attn='mla', rope_head_dim=-2), r"rope_head_dim.*>= 0"),

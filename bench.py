@@ -428,8 +428,8 @@ def main(argv=None):
         p.error(f"{'extra arguments ' + repr(args.extra) if key == 'extra' else '--' + key} not for {args.mode} "
                 "(train.py's keys go after --, for train and convert)")
     owned = ['out_dir', 'wandb_log', 'attn', 'device', 'max_iters', 'lr_decay_iters', 'eval_interval', 'log_interval']
-    owned += ['n_kv_head', 'init_from', 'learning_rate', 'min_lr', 'warmup_iters', 'match_mha_params'] * (
-        args.mode == 'convert')
+    if args.mode == 'convert':  # and the uptraining's
+        owned += ['n_kv_head', 'init_from', 'learning_rate', 'min_lr', 'warmup_iters', 'match_mha_params']
     if clash := [x for x in args.extra if x.lstrip('-').split('=')[0] in owned]:
         p.error(f"{clash[0]}: bench.py sets that key itself")
     args.out = args.out or ('results' if args.readme else 'out-bench')  # results/: what the README shows

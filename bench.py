@@ -11,6 +11,7 @@ report to --out/MODE.md (default out-bench/); --readme writes results/MODE.md an
 """
 import argparse
 import copy
+import functools
 import json
 import os
 import platform
@@ -46,17 +47,19 @@ def progress(what):
     """One line on stderr per run or layout of a long benchmark: never silent for minutes."""
     print(f"[{time.time() - START:5.0f} s] {what}", file=sys.stderr, flush=True)
 
-def timed(fn, device, reps=1):
-    """Median seconds of reps calls of fn, the device synchronized around each."""
+def take_turns(fns, device, rounds):
+    """{name: [seconds, one a round]}: each fn once a round, the device synchronized around it; the order rotates
+    so that no fn always runs first, or always right after another."""
     sync = torch.cuda.synchronize if device.startswith('cuda') else (lambda: None)
-    times = []
-    for _ in range(reps):
-        sync()
-        t0 = time.perf_counter()
-        fn()
-        sync()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    names, times = list(fns), {name: [] for name in fns}
+    for r in range(rounds):
+        for name in names[r % len(names):] + names[:r % len(names)]:
+            sync()
+            t0 = time.perf_counter()
+            fns[name]()
+            sync()
+            times[name].append(time.perf_counter() - t0)
+    return times
 
 def compile_options(device):
     """fullgraph=True: one graph or an error, never a silent eager fallback; on CUDA, CUDA graphs too."""
@@ -159,20 +162,17 @@ def step_time_vs_nanogpt(nanogpt_path, rounds=13, steps=10):
               "ours, mha, pos_emb='learned'": GPT(GPTConfig(attn='mha', pos_emb='learned', **sizes)),
               "ours, mha, RoPE (default)": GPT(GPTConfig(attn='mha', **sizes))}
     x, y = torch.randint(0, 65, (2, 12, 64))
-    times, names = {k: [] for k in models}, list(models)
-    for r in range(rounds):
-        for k in names[r % 3:] + names[:r % 3]:
-            model = models[k]
-            opt = torch.optim.AdamW(model.parameters(), lr=1e-3, betas=(0.9, 0.99), weight_decay=0.1)
-            t0 = time.perf_counter()
-            for _ in range(steps):
-                model(x, y)[1].backward()
-                torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-                opt.step()
-                opt.zero_grad(set_to_none=True)
-            times[k].append((time.perf_counter() - t0) / steps * 1000)
-    return {k: (statistics.median(v[1:]), statistics.median(a / b for a, b in zip(v[1:], times['nanoGPT'][1:])))
-            for k, v in times.items()}
+
+    def train(model, opt):
+        for _ in range(steps):
+            model(x, y)[1].backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+    opts = {k: torch.optim.AdamW(m.parameters(), lr=1e-3, betas=(0.9, 0.99), weight_decay=0.1) for k, m in models.items()}
+    times = take_turns({k: functools.partial(train, models[k], opts[k]) for k in models}, 'cpu', rounds)
+    ms = {k: [s / steps * 1000 for s in v[1:]] for k, v in times.items()}  # round 0: the warm-up
+    return {k: (statistics.median(v), statistics.median(a / b for a, b in zip(v, ms['nanoGPT']))) for k, v in ms.items()}
 
 def convert_report(args):
     """Ainslie et al. 2023: MHA; GQA and MQA from scratch, and mean-pooled from MHA then uptrained (CPU preset)."""
@@ -212,15 +212,6 @@ def convert_report(args):
 
 # --- decode: the roofline of one step, the cost vs context, generation with and without the cache -----------
 
-def machine_floors(device, dtype):
-    """Bandwidth of a large copy (read + write bytes) and matmul rate of a large product; the copy last: caches cold."""
-    m, n = (8192, 2 ** 30) if device.startswith('cuda') else (2048, 2 ** 28)
-    a, b = (torch.randn(m, m, device=device, dtype=dtype) for _ in range(2))
-    x, y = torch.ones(n // 4, device=device), torch.empty(n // 4, device=device)
-    a @ b, y.copy_(x)  # warm-up
-    rate = 2 * m ** 3 / timed(lambda: a @ b, device, reps=5)
-    return 2 * n / timed(lambda: y.copy_(x), device, reps=5), rate
-
 def step_flops(step):
     """FLOPs of one call of step, SDPA on its math backend (the counter sees its products, not fused kernels)."""
     math = [SDPBackend.MATH]
@@ -229,44 +220,49 @@ def step_flops(step):
     return counter.get_total_flops()
 
 @torch.inference_mode()
-def roofline(layouts, sizes, batch, t, device, dtype, compile=False, rounds=15, chunk=512):
-    """A cached decode step per layout at context t, eager (and compiled), its floors; all take turns each round."""
-    runs = {}
+def roofline(layouts, sizes, batch, contexts, device, dtype, compile=False, uncached=False, rounds=15, chunk=512):
+    """A cached decode step per layout and context t, eager (and compiled; and uncached: the forward over the t + 1
+    tokens that the step spares), taking turns with the floors' large copy and large product."""
+    m, n = (8192, 2 ** 28) if device.startswith('cuda') else (2048, 2 ** 26)  # an m x m product, a copy of n floats
+    a, b = (torch.randn(m, m, device=device, dtype=dtype) for _ in range(2))
+    x, y = torch.ones(n, device=device), torch.empty(n, device=device)
+    fns, runs = {'copy': lambda: y.copy_(x), 'product': lambda: a @ b}, {}
+    kinds, options = ['eager'] + ['compiled'] * compile, compile_options(device) if compile else {}
     for attn in layouts:
-        progress(f"roofline: {attn}")
-        model = GPT(GPTConfig(attn=attn, **sizes, block_size=t + 1)).to(device, dtype).eval()
-        idx = torch.randint(0, model.config.vocab_size, (batch, t + 1), device=device)
-        steps = {}
-        for kind in ['eager'] + ['compiled'] * compile:  # compiled: the same step over a static cache, one graph
-            cache = model.init_cache(batch, static=kind == 'compiled')
-            for i in range(0, t, chunk):  # prefill in chunks: bounded memory for the materialized attention
-                model(idx[:, i:min(i + chunk, t)], cache=cache)
+        progress(f"decode steps at batch {batch}: {attn}")
+        model = GPT(GPTConfig(attn=attn, **sizes, block_size=max(contexts) + 1)).to(device, dtype).eval()
+        idx = torch.randint(0, model.config.vocab_size, (batch, max(contexts) + 1), device=device)
+        for t in contexts:
+            for kind in kinds:  # compiled: the same step over a static cache, one graph
+                cache = model.init_cache(batch, static=kind == 'compiled')
+                for i in range(0, t, chunk):  # prefill in chunks: bounded memory for the materialized attention
+                    model(idx[:, i:min(i + chunk, t)], cache=cache)
 
-            def step(model=model, idx=idx, cache=cache):  # the token at position t, again and again
-                cache.pos = cache.pos.fill_(t) if torch.is_tensor(cache.pos) else t  # (in place for a static cache)
-                return model(idx[:, t:], cache=cache)[0]
-            steps[kind] = torch.compile(step, **compile_options(device)) if kind == 'compiled' else step
-            steps[kind]()  # warm-up (compilation); from now on the cache holds the t + 1 keys each step attends to
-        runs[attn] = dict(steps=steps, bytes=sum(p.nbytes for p in model.parameters()) + cache.nbytes,
-                          flops=step_flops(steps['eager']), times={k: [] for k in steps})
-    floors, order = [], [(run, kind) for run in runs.values() for kind in run['steps']]
-    for r in range(rounds):
-        floors.append(machine_floors(device, dtype))
-        for run, kind in order[r % len(order):] + order[:r % len(order)]:  # each step first after the copy in turn
-            run['times'][kind].append(timed(run['steps'][kind], device))
-    bandwidth, rate = (statistics.median(f) for f in zip(*floors))
-    for run in runs.values():
-        run['ms'] = {kind: statistics.median(times) * 1000 for kind, times in run['times'].items()}
+                def step(model=model, token=idx[:, t:t + 1], cache=cache, t=t):  # the token at t, again and again
+                    cache.pos = cache.pos.fill_(t) if torch.is_tensor(cache.pos) else t  # (in place for a static cache)
+                    return model(token, cache=cache)[0]
+                fns[attn, t, kind] = torch.compile(step, **options) if kind == 'compiled' else step
+                if kind == 'eager':  # what one step computes, and reads (once it ran, the cache holds t + 1 keys)
+                    runs[attn, t] = dict(flops=step_flops(step),
+                                         bytes=sum(p.nbytes for p in model.parameters()) + cache.nbytes)
+            if uncached:
+                fns[attn, t, 'no cache'] = lambda model=model, window=idx[:, :t + 1]: model(window)[0]
+    for fn in fns.values():
+        fn()  # warm-up (compilation); from now on each cache holds the t + 1 keys its step attends to
+    times = {name: statistics.median(v) for name, v in take_turns(fns, device, rounds).items()}
+    bandwidth, rate = 2 * 4 * n / times['copy'], 2 * m ** 3 / times['product']  # a copy reads 4 bytes, writes 4
+    for (attn, t), run in runs.items():
+        run['ms'] = {kind: times[attn, t, kind] * 1000 for kind in kinds + ['no cache'] * uncached}
         run['floors'] = {'bytes': run['bytes'] / bandwidth * 1000, 'FLOPs': run['flops'] / rate * 1000}
     return runs, bandwidth, rate
 
 def roofline_section(runs, bandwidth, rate, batch, t, path, rounds=15):
     """The roofline table, and its plot into path: ms per step against the bytes it reads, with the floors."""
-    kinds, rows, mb = list(next(iter(runs.values()))['ms']), [], {a: run['bytes'] / 1e6 for a, run in runs.items()}
+    kinds, rows, mb = list(next(iter(runs.values()))['ms']), [], {a: run['bytes'] / 1e6 for (a, _), run in runs.items()}
     ends = [min(mb.values()) / 1.5, max(mb.values()) * 1.5]
     lines = [(ends, [x * 1e6 / bandwidth * 1000 for x in ends], f'bytes floor: bytes / {bandwidth / 1e9:.1f} GB/s',
               dict(color='black', ls='--'))]
-    for i, (attn, run) in enumerate(runs.items()):
+    for i, ((attn, _), run) in enumerate(runs.items()):
         ms, floors = run['ms'], run['floors']
         binds = max(floors, key=floors.get)
         rows.append(f"| {attn} | {mb[attn]:,.3g} MB | {run['flops'] / 1e9:.3g} | {floors['bytes']:.3g} | "
@@ -286,27 +282,6 @@ def roofline_section(runs, bandwidth, rate, batch, t, path, rounds=15):
                    *[f"{k} {what}" for k in kinds for what in ('ms', '% of floor')]], rows))
 
 @torch.inference_mode()
-def decode_costs(layouts, sizes, contexts, device, dtype, rounds=15):
-    """ms per token at batch 1 and context t: a cached step, and a forward over the t + 1 tokens (3 rounds)."""
-    out = {}
-    for attn in layouts:
-        progress(f"decode cost vs context: {attn}")
-        model = GPT(GPTConfig(attn=attn, **sizes, block_size=max(contexts) + 1)).to(device, dtype).eval()
-        idx = torch.randint(0, model.config.vocab_size, (1, max(contexts) + 1), device=device)
-        caches, times = {t: model.init_cache(1) for t in contexts}, {(t, k): [] for t in contexts for k in (0, 1)}
-        for t, cache in caches.items():
-            model(idx[:, :t], cache=cache), model(idx[:, :t + 1])  # prefill; warm-up of the uncached forward
-        for r in range(rounds):
-            for t, cache in caches.items():  # the token at position t, again and again
-                cache.pos = t
-                times[t, 0].append(timed(lambda: model(idx[:, t:t + 1], cache=cache), device))
-                if r < 3:
-                    times[t, 1].append(timed(lambda: model(idx[:, :t + 1]), device))
-        out |= {(attn, t): (statistics.median(times[t, 0][1:]) * 1000, statistics.median(times[t, 1]) * 1000)
-                for t in contexts}
-    return out
-
-@torch.inference_mode()
 def generation(layouts, sizes, device, dtype, compile=False, prompt=16, new=240, batches=(1, 8)):
     """Greedy tokens/s without the cache, with it (and compiled): each way twice, taking turns; the faster counts."""
     kinds, rows = ['no cache', 'cache'] + ['cache, compiled'] * compile, []
@@ -318,18 +293,19 @@ def generation(layouts, sizes, device, dtype, compile=False, prompt=16, new=240,
             models['cache, compiled'].compile(**compile_options(device))
         for batch in batches:
             idx = torch.randint(0, models['cache'].config.vocab_size, (batch, prompt), device=device)
-            out, secs = {}, {k: [] for k in kinds}
-            for kind in kinds * 2:
-                model = models[kind]
-                cache = model.init_cache(batch, static=kind == 'cache, compiled') if kind != 'no cache' else None
-                run = lambda n: torch.cat(list(model.stream(idx, n, temperature=0, use_cache=cache is not None,
-                                                            cache=cache)), 1)
-                run(4)  # warm-up (and compilation)
-                secs[kind].append(timed(lambda: out.update({kind: run(new)}), device))
+            out = {}
+
+            def run(kind, n=new):
+                cache = models[kind].init_cache(batch, static=kind == 'cache, compiled') if kind != 'no cache' else None
+                out[kind] = torch.cat(list(models[kind].stream(idx, n, temperature=0, use_cache=cache is not None,
+                                                               cache=cache)), 1)
+            for kind in kinds:
+                run(kind, 4)  # warm-up (and compilation)
+            secs = {k: min(v) for k, v in take_turns({k: lambda k=k: run(k) for k in kinds}, device, 2).items()}
             same = [agree(models['no cache'], idx, out['no cache'], out[k]) for k in kinds[1:]]
             same = 'NO' if 'NO' in same else max(same, key=len)  # the worst of: NO, a near-tie, yes
-            rows.append(f"| {attn} | {batch} | " + " | ".join(f"{batch * new / min(secs[k]):,.1f}" for k in kinds) +
-                        f" | {min(secs['no cache']) / min(secs['cache']):.1f}x | {same} |")
+            rows.append(f"| {attn} | {batch} | " + " | ".join(f"{batch * new / secs[k]:,.1f}" for k in kinds) +
+                        f" | {secs['no cache'] / secs['cache']:.1f}x | {same} |")
     return table(['layout', 'batch', *[f"tokens/s, {k}" for k in kinds], 'cache speedup', 'identical tokens'], rows)
 
 def agree(model, idx, ref, other, tol=1e-4):
@@ -344,12 +320,13 @@ def agree(model, idx, ref, other, tol=1e-4):
 def decode_report(args, sizes):
     """The roofline at --batch and --t, the cost vs context at batch 1, and generation with and without the cache."""
     layouts, contexts, device, dtype = args.layouts, args.contexts, args.device, getattr(torch, args.dtype)
-    runs, bandwidth, rate = roofline(layouts, sizes, args.batch, args.t, device, dtype, args.compile)
-    roof = roofline_section(runs, bandwidth, rate, args.batch, args.t, os.path.join(args.out, 'roofline.png'))
-    costs = decode_costs(layouts, sizes, contexts, device, dtype)
+    roof = roofline_section(*roofline(layouts, sizes, args.batch, [args.t], device, dtype, args.compile), args.batch,
+                            args.t, os.path.join(args.out, 'roofline.png'))
+    costs = roofline(layouts, sizes, 1, contexts, device, dtype, uncached=True)[0]
     plot(os.path.join(args.out, 'decode.png'), [
-        (contexts, [costs[attn, t][k] for t in contexts], f'{attn}, {kind}', dict(color=f'C{i}', marker=m, ls=ls))
-        for i, attn in enumerate(layouts) for k, kind, m, ls in ((0, 'cached', 'o', '-'), (1, 'no cache', 'x', '--'))],
+        (contexts, [costs[attn, t]['ms'][k] for t in contexts], f'{attn}, {kind}', dict(color=f'C{i}', marker=m, ls=ls))
+        for i, attn in enumerate(layouts)
+        for k, kind, m, ls in (('eager', 'cached', 'o', '-'), ('no cache', 'no cache', 'x', '--'))],
         dict(fontsize=7, ncol=2), xscale='log', yscale='log', title='decode cost vs context, batch 1',
         xlabel='context length t (tokens already seen)', ylabel='ms per generated token')
     mla = GPTConfig(attn='mla', **sizes)
@@ -359,9 +336,10 @@ def decode_report(args, sizes):
             f"{sizes['n_embd']}, MLA d_c {mla.kv_lora_rank} d_R {mla.rope_head_dim}, random init, {args.dtype}, "
             f"device {device}, {how}.\n\n**Roofline of one decode step**\n\n{roof}\n"
             f"![decode step vs bytes read](roofline.png)\n{MORE}\n**Decode cost vs context**, batch 1, eager, ms per "
-            "generated token (cached / without cache):\n\n" +
+            "generated token (a cached step / a forward over the t + 1 tokens), medians of 15 interleaved rounds:\n\n" +
             table(['layout', *[f"t={t} cached / no cache" for t in contexts]], [f"| {attn} | " + " | ".join(
-                f"{costs[attn, t][0]:.2f} / {costs[attn, t][1]:.1f}" for t in contexts) + " |" for attn in layouts]))
+                f"{costs[attn, t]['ms']['eager']:.2f} / {costs[attn, t]['ms']['no cache']:.1f}" for t in contexts) + " |"
+                for attn in layouts]))
     return text + (f"\n![decode cost vs context](decode.png)\n\n**Generation, {args.gen_tokens} new tokens after a "
                    "16-token prompt, block 256, greedy** (the best of two runs each way):\n\n" +
                    generation(layouts, sizes, device, dtype, args.compile, new=args.gen_tokens))
@@ -375,7 +353,6 @@ def readme_section(mode, report, out='results'):
 
 class Parser(argparse.ArgumentParser):
     def error(self, message):  # one line, not argparse's usage block
-        message = message.replace('arguments are required: mode, extra', 'argument is required: mode')
         self.exit(2, f"error: {message} (see: python bench.py --help)\n")
 
 def checked(kind, ok, rule):
@@ -401,7 +378,7 @@ def main(argv=None):
     gen_tokens = checked(int, lambda v: 1 <= v <= 240, "give 1 to 240 (block 256, prompt 16)")
     p = Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument('mode', choices=['cache', 'train', 'decode', 'convert'])
-    p.add_argument('extra', nargs='*', help='train, convert: more --key=value for train.py, after --')
+    p.add_argument('extra', nargs='*', default=[], help='train, convert: more --key=value for train.py, after --')
     only = dict(extra='train, convert', compile='decode')  # {option: the modes it is for}
     for modes, flag, default, kind, what in (  # '' = for every mode
             ('cache, train, decode', 'layouts', ','.join(ATTN_LAYOUTS), layouts, 'a comma-separated subset'),
@@ -423,10 +400,11 @@ def main(argv=None):
     p.add_argument('--readme', action='store_true', help="put the report's headline into README.md")
     p.add_argument('--compile', action='store_true', help='decode: compiled columns (static cache; CUDA graphs)')
     args = p.parse_intermixed_args(argv)  # the mode, options, then -- and the extras in any order
-    default = vars(p.parse_intermixed_args([args.mode]))
-    for key in [k for k, modes in only.items() if modes and args.mode not in modes and getattr(args, k) != default[k]]:
-        p.error(f"{'extra arguments ' + repr(args.extra) if key == 'extra' else '--' + key} not for {args.mode} "
-                "(train.py's keys go after --, for train and convert)")
+    default = vars(p.parse_intermixed_args([args.mode]))  # (string defaults parsed by their type)
+    for key, modes in only.items():
+        if modes and args.mode not in modes and getattr(args, key) != default[key]:
+            p.error(f"{'extra arguments ' + repr(args.extra) if key == 'extra' else '--' + key} not for {args.mode} "
+                    "(train.py's keys go after --, for train and convert)")
     owned = ['out_dir', 'wandb_log', 'attn', 'device', 'max_iters', 'lr_decay_iters', 'eval_interval', 'log_interval']
     if args.mode == 'convert':  # and the uptraining's
         owned += ['n_kv_head', 'init_from', 'learning_rate', 'min_lr', 'warmup_iters', 'match_mha_params']
@@ -442,10 +420,10 @@ def main(argv=None):
     try:
         dtype = getattr(torch, args.dtype)
         cfgs = [GPTConfig(attn=a, **sizes) for a in args.layouts] if args.mode == 'decode' else []
-        with torch.device('meta'):  # counted, not allocated: the roofline holds every layout's weights and cache
-            need = sum(sum(p.numel() for p in GPT(c).parameters()) * dtype.itemsize +
-                       c.cache_bytes(args.t + 1, dtype) * args.batch * (1 + args.compile) for c in cfgs)
-        need += max([sum(c.cache_bytes(n + 1, dtype) for n in args.contexts) for c in cfgs], default=0)  # 1 at a time
+        with torch.device('meta'):  # counted, not allocated: both decode rooflines hold every layout at once
+            need = sum(sum(p.numel() for p in GPT(c).parameters()) * dtype.itemsize for c in cfgs)
+        need += max(sum(c.cache_bytes(args.t + 1, dtype) * args.batch * (1 + args.compile) for c in cfgs),
+                    sum(c.cache_bytes(max(args.contexts) + 1, dtype) * len(args.contexts) for c in cfgs))  # full buffers
         check_memory(need, args.device, f"--t={args.t}, --batch={args.batch}, --contexts, the sizes: weights and caches")
         if args.readme and not (start in readme and end in readme):
             raise ValueError(f"no README.md here with a '{start}' ... '{end}' section to rewrite")

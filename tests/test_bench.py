@@ -50,10 +50,10 @@ def test_decode_report_on_a_tiny_model(tmp_path):
 def test_roofline_times_a_compiled_step():
     """The compiled column is a real torch.compile(fullgraph=True) of the step over a static cache (a graph break
     would raise)."""
-    runs, bandwidth, rate = bench_module.roofline(['mqa'], dict(n_layer=1, n_head=4, n_embd=16), 2, 16, 'cpu',
+    runs, bandwidth, rate = bench_module.roofline(['mqa'], dict(n_layer=1, n_head=4, n_embd=16), 2, [16], 'cpu',
                                                   torch.float32, compile=True, rounds=2)
-    assert set(runs['mqa']['ms']) == {'eager', 'compiled'}
-    assert all(v > 0 for v in runs['mqa']['ms'].values())
+    assert set(runs['mqa', 16]['ms']) == {'eager', 'compiled'}
+    assert all(v > 0 for v in runs['mqa', 16]['ms'].values())
     assert bandwidth > 1e8 and rate > 1e8
 
 
@@ -145,7 +145,7 @@ def test_bad_arguments_are_one_line(tmp_path, capsys, monkeypatch):
                       (['train', '--', '--out_dir=x'], "--out_dir=x: bench.py sets that key itself"),
                       (['train', '--', '--attn=linear'], "--attn=linear: bench.py sets that key itself"),
                       (['convert', '--', '--learning_rate=1'], "--learning_rate=1: bench.py sets that key itself"),
-                      (['convert', '--device=cuda'], "--device not for convert"), ([], "argument is required: mode"),
+                      (['convert', '--device=cuda'], "--device not for convert"), ([], "the following arguments are required: mode"),
                       (['decode', '--batch=0'], "--batch: '0': give an integer >= 1"),
                       (['decode', '--t=100000000'], "--t=100000000, --batch=16, --contexts, the sizes: weights and caches need"),
                       (['decode', '--contexts=100000000'], "weights and caches need at least")):

@@ -15,6 +15,7 @@ import functools
 import json
 import os
 import platform
+import random
 import re
 import runpy
 import shutil
@@ -48,12 +49,12 @@ def progress(what):
     print(f"[{time.time() - START:5.0f} s] {what}", file=sys.stderr, flush=True)
 
 def take_turns(fns, device, rounds):
-    """{name: [seconds, one a round]}: each fn once a round, the device synchronized around it; the order rotates
-    so that no fn always runs first, or always right after another."""
+    """{name: [seconds, one a round]}: each fn once a round, the device synchronized around it, in a new order each
+    round (seeded), so that no fn always runs first or after the same neighbour (which may leave the caches cold)."""
     sync = torch.cuda.synchronize if device.startswith('cuda') else (lambda: None)
     names, times = list(fns), {name: [] for name in fns}
     for r in range(rounds):
-        for name in names[r % len(names):] + names[:r % len(names)]:
+        for name in random.Random(r).sample(names, len(names)):
             sync()
             t0 = time.perf_counter()
             fns[name]()
@@ -277,7 +278,7 @@ def roofline_section(runs, bandwidth, rate, batch, t, path, rounds=15):
          xlabel='bytes one decode step must read: weights + cache (MB)')
     return (f"Cached decode step, batch {batch}, context t={t} (the step attends to t + 1 keys); floors measured in "
             f"the same run: bandwidth **{bandwidth / 1e9:.1f} GB/s** (a large tensor copy, read + write bytes), matmul "
-            f"rate **{rate / 1e9:,.0f} GFLOP/s** (one large square product); medians of {rounds} interleaved rounds.\n\n" +
+            f"rate **{rate / 1e9:,.0f} GFLOP/s** (one large square product); medians of {rounds} shuffled rounds.\n\n" +
             table(['layout', 'bytes read: weights + cache', 'GFLOP', 'bytes floor ms', 'FLOP floor ms', 'binds',
                    *[f"{k} {what}" for k in kinds for what in ('ms', '% of floor')]], rows))
 
@@ -336,7 +337,7 @@ def decode_report(args, sizes):
             f"{sizes['n_embd']}, MLA d_c {mla.kv_lora_rank} d_R {mla.rope_head_dim}, random init, {args.dtype}, "
             f"device {device}, {how}.\n\n**Roofline of one decode step**\n\n{roof}\n"
             f"![decode step vs bytes read](roofline.png)\n{MORE}\n**Decode cost vs context**, batch 1, eager, ms per "
-            "generated token (a cached step / a forward over the t + 1 tokens), medians of 15 interleaved rounds:\n\n" +
+            "generated token (a cached step / a forward over the t + 1 tokens), medians of 15 shuffled rounds:\n\n" +
             table(['layout', *[f"t={t} cached / no cache" for t in contexts]], [f"| {attn} | " + " | ".join(
                 f"{costs[attn, t]['ms']['eager']:.2f} / {costs[attn, t]['ms']['no cache']:.1f}" for t in contexts) + " |"
                 for attn in layouts]))

@@ -205,7 +205,7 @@ def convert_report(args):
                     + ", ".join(f"{name[a]} {(val[a, 0] - val[a, shown]) / (val[a, 0] - mha):.0%}" if val[a, 0] > mha
                                 else f"{name[a]}: no gap" for a in ('gqa', 'mqa')) + ".\n")
     fractions = ','.join(f'{f:g}' for f in args.fractions)
-    evals = next((x.split('=')[1] for x in args.extra if x.startswith('--eval_iters=')), 200)  # the extras' come last
+    evals = ['200', *(x.split('=')[1] for x in args.extra if x.startswith('--eval_iters='))][-1]  # the last one counts
     return (f"`{command(args, f'--max_iters={iters}', f'--lr={lr:g}', f'--fractions={fractions}')}` on {machine()}: "
             f"config/cpu.py (4 layers, 4 heads, 128 wide, block 64), seed 1337, val loss = mean of the same {evals} val "
             "batches.\n\n" + summary + MORE + "\n**Every run**:\n\n" + table(header, list(rows.values())) +
@@ -250,10 +250,10 @@ def roofline(layouts, sizes, batch, contexts, device, dtype, compile=False, unca
                 fns[attn, t, 'no cache'] = lambda model=model, window=idx[:, :t + 1]: model(window)[0]
     for fn in fns.values():
         fn()  # warm-up (compilation); from now on each cache holds the t + 1 keys its step attends to
-    times = {name: statistics.median(v) for name, v in take_turns(fns, device, rounds).items()}
-    bandwidth, rate = 2 * 4 * n / times['copy'], 2 * m ** 3 / times['product']  # a copy reads 4 bytes, writes 4
+    times = take_turns(fns, device, rounds)  # floors: the machine's best round; steps: their median round
+    bandwidth, rate = 2 * 4 * n / min(times['copy']), 2 * m ** 3 / min(times['product'])  # a copy reads 4 B, writes 4
     for (attn, t), run in runs.items():
-        run['ms'] = {kind: times[attn, t, kind] * 1000 for kind in kinds + ['no cache'] * uncached}
+        run['ms'] = {kind: statistics.median(times[attn, t, kind]) * 1000 for kind in kinds + ['no cache'] * uncached}
         run['floors'] = {'bytes': run['bytes'] / bandwidth * 1000, 'FLOPs': run['flops'] / rate * 1000}
     return runs, bandwidth, rate
 
@@ -278,7 +278,8 @@ def roofline_section(runs, bandwidth, rate, batch, t, path, rounds=15):
          xlabel='bytes one decode step must read: weights + cache (MB)')
     return (f"Cached decode step, batch {batch}, context t={t} (the step attends to t + 1 keys); floors measured in "
             f"the same run: bandwidth **{bandwidth / 1e9:.1f} GB/s** (a large tensor copy, read + write bytes), matmul "
-            f"rate **{rate / 1e9:,.0f} GFLOP/s** (one large square product); medians of {rounds} shuffled rounds.\n\n" +
+            f"rate **{rate / 1e9:,.0f} GFLOP/s** (one large square product), the best of {rounds} rounds that run every "
+            "step and both once, in a new order each; steps: their median.\n\n" +
             table(['layout', 'bytes read: weights + cache', 'GFLOP', 'bytes floor ms', 'FLOP floor ms', 'binds',
                    *[f"{k} {what}" for k in kinds for what in ('ms', '% of floor')]], rows))
 

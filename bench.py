@@ -29,12 +29,13 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
-from configurator import check_device, check_memory, memory_errors_in_one_line
+from configurator import check_device, check_memory, fail, memory_errors_in_one_line
 from model import GPT, GPTConfig, ATTN_LAYOUTS
 
 os.environ.setdefault('KINETO_LOG_LEVEL', '6')  # no 'USDT: profiler_start' lines (inductor profiles GPU kernels)
 START = time.time()
 MORE = "\n<!-- the README shows the report down to here -->\n"  # a report's headline, then its details
+PLOTS = []  # saved once the whole report is done: a run that fails or is stopped leaves the saved ones alone
 
 # --- Shared: the machine, progress, timing, tables and plots ------------------------------------------------
 
@@ -72,7 +73,7 @@ def table(header, rows):  # markdown
     return "\n".join([f"| {' | '.join(header)} |", "|---" * len(header) + "|", *rows]) + "\n"
 
 def plot(path, lines, legend, **axes):
-    """One figure into path: lines are (xs, ys, label, matplotlib style) each; axes: title, xlabel, xscale, ..."""
+    """One figure for path, saved with the report (PLOTS): lines are (xs, ys, label, matplotlib style); axes: title, ..."""
     from matplotlib.figure import Figure  # a file, no display: no pyplot, no backend to choose
     fig = Figure(figsize=(7, 4.5), layout='tight')
     ax = fig.subplots()
@@ -81,7 +82,7 @@ def plot(path, lines, legend, **axes):
     ax.set(**axes)
     ax.grid(alpha=0.3, which='both')
     ax.legend(**legend)
-    fig.savefig(path, dpi=110)
+    PLOTS.append(lambda: fig.savefig(path, dpi=110))
 
 # --- cache: bytes per token, the model's formula next to a real cache ---------------------------------------
 
@@ -118,7 +119,7 @@ def train_run(run_dir, args):
     progress(' '.join(cmd[1:]))
     r = subprocess.run(cmd, capture_output=True, text=True)
     if r.returncode:
-        raise SystemExit(f"error: train.py failed in {run_dir}: {(r.stderr.strip().splitlines() or ['?'])[-1]}")
+        fail(f"train.py failed in {run_dir}: {(r.stderr.strip().splitlines() or ['?'])[-1].removeprefix('error: ')}")
     rows = [json.loads(line) for line in open(os.path.join(run_dir, 'metrics.jsonl'))]
     return dict(rows=rows, evals=[r for r in rows if 'val/loss' in r], params=re.search(r"([\d.]+)M param", r.stdout)[1],
                 tokens=int(re.search(r"tokens per iteration will be: ([\d,]+)", r.stdout)[1].replace(',', '')))
@@ -138,7 +139,8 @@ def train_report(args):
                     f"{last['val/loss']:.4f} | {best['val/loss']:.4f} ({best['iter']}) | {ms:.1f} | "
                     f"{run['tokens'] / ms * 1000:,.0f} |")
     plot(os.path.join(args.out, 'train_val_loss.png'), [([r['iter'] for r in run['evals']], [r['val/loss'] for r in
-         run['evals']], attn, dict(marker='.')) for attn, run in runs.items()], {}, ylim=(None, 3.0),
+         run['evals']], attn, dict(marker='.')) for attn, run in runs.items()], {},
+         ylim=(None, max(3.0, *(run['evals'][-1]['val/loss'] + 0.5 for run in runs.values()))),
          title='tiny Shakespeare (char): val loss', xlabel='iteration', ylabel='val loss')
     nanogpt = [f'--nanogpt={args.nanogpt}'] if args.nanogpt else []
     body = (f"`{command(args, f'--max_iters={args.max_iters}', f'--device={args.device}', *nanogpt)}` on {machine()}: "
@@ -278,8 +280,8 @@ def roofline_section(runs, bandwidth, rate, batch, t, path, rounds=15):
          xlabel='bytes one decode step must read: weights + cache (MB)')
     return (f"Cached decode step, batch {batch}, context t={t} (the step attends to t + 1 keys); floors measured in "
             f"the same run: bandwidth **{bandwidth / 1e9:.1f} GB/s** (a large tensor copy, read + write bytes), matmul "
-            f"rate **{rate / 1e9:,.0f} GFLOP/s** (one large square product), the best of {rounds} rounds that run every "
-            "step and both once, in a new order each; steps: their median.\n\n" +
+            f"rate **{rate / 1e9:,.0f} GFLOP/s** (one large square product). Each of {rounds} rounds times every step, "
+            "the copy and the product once, in a new order; floors: the best round, steps: the median.\n\n" +
             table(['layout', 'bytes read: weights + cache', 'GFLOP', 'bytes floor ms', 'FLOP floor ms', 'binds',
                    *[f"{k} {what}" for k in kinds for what in ('ms', '% of floor')]], rows))
 
@@ -338,7 +340,8 @@ def decode_report(args, sizes):
             f"{sizes['n_embd']}, MLA d_c {mla.kv_lora_rank} d_R {mla.rope_head_dim}, random init, {args.dtype}, "
             f"device {device}, {how}.\n\n**Roofline of one decode step**\n\n{roof}\n"
             f"![decode step vs bytes read](roofline.png)\n{MORE}\n**Decode cost vs context**, batch 1, eager, ms per "
-            "generated token (a cached step / a forward over the t + 1 tokens), medians of 15 shuffled rounds:\n\n" +
+            "generated token (a cached step / a forward over the t + 1 tokens), medians of 15 rounds taken like the "
+            "roofline's (so each step reads its weights cold):\n\n" +
             table(['layout', *[f"t={t} cached / no cache" for t in contexts]], [f"| {attn} | " + " | ".join(
                 f"{costs[attn, t]['ms']['eager']:.2f} / {costs[attn, t]['ms']['no cache']:.1f}" for t in contexts) + " |"
                 for attn in layouts]))
@@ -370,12 +373,14 @@ def checked(kind, ok, rule):
 
 def main(argv=None):
     memory_errors_in_one_line('--batch, --t, --contexts, --n_embd, --n_layer')  # e.g. --t too large here
+    PLOTS.clear()
     count = checked(int, lambda v: v >= 1, "give an integer >= 1")
-    listed = lambda kind, ok, rule: checked(lambda text: sorted(kind(x) for x in text.split(',')), ok, rule)
+    listed = lambda kind, ok, rule: checked(lambda text: sorted({kind(x) for x in text.split(',')}), ok, rule)
     layouts = listed(str, lambda v: set(v) <= set(ATTN_LAYOUTS), "choose from " + ','.join(ATTN_LAYOUTS))
     fractions = listed(float, lambda v: all(0 <= f <= 1 for f in v), "give numbers in [0, 1]")
     contexts = listed(int, lambda v: v[0] >= 1, "give integers >= 1")
-    path = checked(str, os.path.isfile, "no such file")
+    path = checked(str, lambda p: os.path.isfile(p) and 'class GPTConfig' in open(p, errors='replace').read(),
+                   "no such file with nanoGPT's GPTConfig in it")
     positive = checked(float, lambda v: 0 < v < float('inf'), "give a number > 0")
     gen_tokens = checked(int, lambda v: 1 <= v <= 240, "give 1 to 240 (block 256, prompt 16)")
     p = Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -407,11 +412,14 @@ def main(argv=None):
         if modes and args.mode not in modes and getattr(args, key) != default[key]:
             p.error(f"{'extra arguments ' + repr(args.extra) if key == 'extra' else '--' + key} not for {args.mode} "
                     "(train.py's keys go after --, for train and convert)")
-    owned = ['out_dir', 'wandb_log', 'attn', 'device', 'max_iters', 'lr_decay_iters', 'eval_interval', 'log_interval']
+    owned = ['out_dir', 'wandb_log', 'attn', 'device', 'max_iters', 'lr_decay_iters', 'eval_interval', 'log_interval',
+             'init_from', 'eval_only', 'seed']
     if args.mode == 'convert':  # and the uptraining's
-        owned += ['n_kv_head', 'init_from', 'learning_rate', 'min_lr', 'warmup_iters', 'match_mha_params']
-    if clash := [x for x in args.extra if x.lstrip('-').split('=')[0] in owned]:
-        p.error(f"{clash[0]}: bench.py sets that key itself")
+        owned += ['n_kv_head', 'learning_rate', 'min_lr', 'warmup_iters', 'match_mha_params']
+    if clash := [x for x in args.extra if x.lstrip('-').split('=')[0] in owned or not x.startswith('--')]:
+        p.error(f"{clash[0]}: bench.py sets that itself (the extras are train.py's --key=value)")
+    if args.readme and args.out not in (None, 'results'):
+        p.error(f"--out={args.out} with --readme: the README links to results/, where --readme writes")
     args.out = args.out or ('results' if args.readme else 'out-bench')  # results/: what the README shows
     args.layouts = [a for a in ATTN_LAYOUTS if a in args.layouts]  # in the usual order
     args.max_iters = args.max_iters or (5000 if args.mode == 'train' and args.device != 'cpu' else 2000)
@@ -424,8 +432,10 @@ def main(argv=None):
         cfgs = [GPTConfig(attn=a, **sizes) for a in args.layouts] if args.mode == 'decode' else []
         with torch.device('meta'):  # counted, not allocated: both decode rooflines hold every layout at once
             need = sum(sum(p.numel() for p in GPT(c).parameters()) * dtype.itemsize for c in cfgs)
-        need += max(sum(c.cache_bytes(args.t + 1, dtype) * args.batch * (1 + args.compile) for c in cfgs),
-                    sum(c.cache_bytes(max(args.contexts) + 1, dtype) * len(args.contexts) for c in cfgs))  # full buffers
+        need += max(sum(c.cache_bytes(args.t + 1, dtype) * args.batch * (1 + args.compile) for c in cfgs) +
+                    8 * args.batch * (args.t + 1) * len(cfgs),  # the caches, and the token ids
+                    sum(c.cache_bytes(max(args.contexts) + 1, dtype) * len(args.contexts) for c in cfgs) +  # full buffers
+                    ('mla' in args.layouts) * max(args.contexts) ** 2 * args.n_head * 4)  # MLA's scores with no cache
         check_memory(need, args.device, f"--t={args.t}, --batch={args.batch}, --contexts, the sizes: weights and caches")
         if args.readme and not (start in readme and end in readme):
             raise ValueError(f"no README.md here with a '{start}' ... '{end}' section to rewrite")
@@ -439,6 +449,8 @@ def main(argv=None):
     torch.manual_seed(0)
     report = {'cache': lambda: cache_report(args.layouts), 'train': lambda: train_report(args),
               'decode': lambda: decode_report(args, sizes), 'convert': lambda: convert_report(args)}[args.mode]()
+    for save in PLOTS:
+        save()
     with open(os.path.join(args.out, f'{args.mode}.md'), 'w') as f:
         f.write(report)
     print(report)

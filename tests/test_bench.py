@@ -152,22 +152,43 @@ def test_bad_arguments_are_one_line(tmp_path, capsys, monkeypatch):
                       (['decode', '--', '--n_layer=1'], "extra arguments ['--n_layer=1'] not for decode"),
                       (['convert', '--nanogpt=bench.py'], "--nanogpt not for convert"),
                       (['convert', '--layouts=mha'], "--layouts not for convert"),
-                      (['train', '--', '--out_dir=x'], "--out_dir=x: bench.py sets that key itself"),
-                      (['train', '--', '--attn=linear'], "--attn=linear: bench.py sets that key itself"),
-                      (['convert', '--', '--learning_rate=1'], "--learning_rate=1: bench.py sets that key itself"),
+                      (['train', '--', '--out_dir=x'], "--out_dir=x: bench.py sets that itself"),
+                      (['train', '--', '--attn=linear'], "--attn=linear: bench.py sets that itself"),
+                      (['convert', '--', '--learning_rate=1'], "--learning_rate=1: bench.py sets that itself"),
                       (['convert', '--device=cuda'], "--device not for convert"), ([], "the following arguments are required: mode"),
                       (['decode', '--batch=0'], "--batch: '0': give an integer >= 1"),
                       (['decode', '--t=100000000'], "--t=100000000, --batch=16, --contexts, the sizes: weights and caches need"),
-                      (['decode', '--contexts=100000000'], "weights and caches need at least")):
+                      (['decode', '--contexts=100000000'], "weights and caches need at least"),
+                      (['decode', '--layouts=mla', '--contexts=100000'], "weights and caches need at least"),  # scores
+                      (['decode', '--layouts=linear', '--t=1000000000'], "weights and caches need"),  # token ids
+                      (['train', '--', 'config/mqa.py'], "config/mqa.py: bench.py sets that itself"),
+                      (['train', '--', '--eval_only=True'], "--eval_only=True: bench.py sets that itself"),
+                      (['train', '--nanogpt=README.md'], "no such file with nanoGPT's GPTConfig"),
+                      (['cache', '--readme', f'--out={tmp_path}'], "with --readme: the README links to results/")):
         with pytest.raises(SystemExit) as e:  # in process: main() checks every argument before any work
             bench_module.main(args)
         err = capsys.readouterr().err
         assert e.value.code == 2 and msg in err and len(err.strip().splitlines()) == 1, err
+    with pytest.raises(SystemExit) as e:  # a value train.py refuses: its line, after bench's progress line, exit 2
+        bench_module.main(['train', '--layouts=mha', f'--out={tmp_path / "t"}', '--', '--n_layer=0'])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 2 and re.fullmatch(r"error: train.py failed in .*: GPTConfig.n_layer=0 is invalid.*", err[-1])
     monkeypatch.chdir(tmp_path)  # no README.md to rewrite here: refused before any work
     with pytest.raises(SystemExit) as e:
-        bench_module.main(['cache', '--readme', f'--out={tmp_path / "new"}'])
+        bench_module.main(['cache', '--readme'])
     assert e.value.code == 2 and "no README.md here with a '<!-- cache-table -->'" in capsys.readouterr().err
-    assert (tmp_path / 'a-file').read_text() == 'results go in a folder' and not (tmp_path / 'new').exists()
+    assert (tmp_path / 'a-file').read_text() == 'results go in a folder'
+    assert not (tmp_path / 'new').exists() and not (tmp_path / 'results').exists()
+
+
+def test_a_failed_run_leaves_the_saved_plots_alone(tmp_path, monkeypatch):
+    """Plots are saved with the report, once it is all done: a run that fails after drawing them changes nothing."""
+    (tmp_path / 'roofline.png').write_bytes(b'saved')
+    monkeypatch.setattr(bench_module, 'generation', lambda *a, **k: 1 / 0)  # fails after the roofline is drawn
+    with pytest.raises(ZeroDivisionError):
+        bench_module.main(['decode', '--n_layer=1', '--n_head=4', '--n_embd=16', '--contexts=8', '--batch=2', '--t=8',
+                           f'--out={tmp_path}'])
+    assert os.listdir(tmp_path) == ['roofline.png'] and (tmp_path / 'roofline.png').read_bytes() == b'saved'
 
 
 def test_results_only_with_readme(tmp_path, monkeypatch):

@@ -133,7 +133,7 @@ def train_report(args):
         f'--eval_interval={every}', '--log_interval=1', *args.extra]) for attn in args.layouts}
     for attn, run in runs.items():
         last, best = run['evals'][-1], min(run['evals'], key=lambda r: r['val/loss'])
-        steps = [row for row in run['rows'] if 'ms_per_iter' in row]  # those with no evaluation, if there are any
+        steps = [row for row in run['rows'] if 'ms_per_iter' in row]  # the median step: of those without an eval, if any
         ms = statistics.median(row['ms_per_iter'] for row in [s for s in steps if s['iter'] % every] or steps)
         rows.append(f"| {attn} | {run['params']}M | {last['cache_bytes_per_token']:,.0f} | {last['train/loss']:.4f} | "
                     f"{last['val/loss']:.4f} | {best['val/loss']:.4f} ({best['iter']}) | {ms:.1f} | "

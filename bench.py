@@ -215,6 +215,8 @@ def convert_report(args):
 
 # --- decode: the roofline of one step, the cost vs context, generation with and without the cache -----------
 
+ROUNDS = 15  # of every decode timing: each round runs every step once
+
 def step_flops(step):
     """FLOPs of one call of step, SDPA on its math backend (the counter sees its products, not fused kernels)."""
     math = [SDPBackend.MATH]
@@ -223,7 +225,7 @@ def step_flops(step):
     return counter.get_total_flops()
 
 @torch.inference_mode()
-def roofline(layouts, sizes, batch, contexts, device, dtype, compile=False, uncached=False, rounds=15, chunk=512):
+def roofline(layouts, sizes, batch, contexts, device, dtype, compile=False, uncached=False, rounds=ROUNDS, chunk=512):
     """A cached decode step per layout and context t, eager (and compiled; and uncached: the forward over the t + 1
     tokens that the step spares), taking turns with the floors' large copy and large product."""
     m, n = (8192, 2 ** 28) if device.startswith('cuda') else (2048, 2 ** 26)  # an m x m product, a copy of n floats
@@ -259,7 +261,7 @@ def roofline(layouts, sizes, batch, contexts, device, dtype, compile=False, unca
         run['floors'] = {'bytes': run['bytes'] / bandwidth * 1000, 'FLOPs': run['flops'] / rate * 1000}
     return runs, bandwidth, rate
 
-def roofline_section(runs, bandwidth, rate, batch, t, path, rounds=15):
+def roofline_section(runs, bandwidth, rate, batch, t, path):
     """The roofline table, and its plot into path: ms per step against the bytes it reads, with the floors."""
     kinds, rows, mb = list(next(iter(runs.values()))['ms']), [], {a: run['bytes'] / 1e6 for (a, _), run in runs.items()}
     ends = [min(mb.values()) / 1.5, max(mb.values()) * 1.5]
@@ -280,7 +282,7 @@ def roofline_section(runs, bandwidth, rate, batch, t, path, rounds=15):
          xlabel='bytes one decode step must read: weights + cache (MB)')
     return (f"Cached decode step, batch {batch}, context t={t} (the step attends to t + 1 keys); floors measured in "
             f"the same run: bandwidth **{bandwidth / 1e9:.1f} GB/s** (a large tensor copy, read + write bytes), matmul "
-            f"rate **{rate / 1e9:,.0f} GFLOP/s** (one large square product). Each of {rounds} rounds times every step, "
+            f"rate **{rate / 1e9:,.0f} GFLOP/s** (one large square product). Each of {ROUNDS} rounds times every step, "
             "the copy and the product once, in a new order; floors: the best round, steps: the median.\n\n" +
             table(['layout', 'bytes read: weights + cache', 'GFLOP', 'bytes floor ms', 'FLOP floor ms', 'binds',
                    *[f"{k} {what}" for k in kinds for what in ('ms', '% of floor')]], rows))
@@ -340,8 +342,8 @@ def decode_report(args, sizes):
             f"{sizes['n_embd']}, MLA d_c {mla.kv_lora_rank} d_R {mla.rope_head_dim}, random init, {args.dtype}, "
             f"device {device}, {how}.\n\n**Roofline of one decode step**\n\n{roof}\n"
             f"![decode step vs bytes read](roofline.png)\n{MORE}\n**Decode cost vs context**, batch 1, eager, ms per "
-            "generated token (a cached step / a forward over the t + 1 tokens), medians of 15 rounds taken like the "
-            "roofline's (so each step reads its weights cold):\n\n" +
+            f"generated token (a cached step / a forward over the t + 1 tokens), medians of {ROUNDS} rounds taken "
+            "like the roofline's (so each step reads its weights cold):\n\n" +
             table(['layout', *[f"t={t} cached / no cache" for t in contexts]], [f"| {attn} | " + " | ".join(
                 f"{costs[attn, t]['ms']['eager']:.2f} / {costs[attn, t]['ms']['no cache']:.1f}" for t in contexts) + " |"
                 for attn in layouts]))

@@ -11,7 +11,6 @@ report to --out/MODE.md (default out-bench/); --readme writes results/MODE.md an
 """
 import argparse
 import copy
-import functools
 import json
 import os
 import platform
@@ -29,7 +28,7 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
-from configurator import check_device, check_memory, fail, memory_errors_in_one_line
+from configurator import Parser, check_device, check_memory, checked, fail, memory_errors_in_one_line
 from model import GPT, GPTConfig, ATTN_LAYOUTS
 
 os.environ.setdefault('KINETO_LOG_LEVEL', '6')  # no 'USDT: profiler_start' lines (inductor profiles GPU kernels)
@@ -173,7 +172,7 @@ def step_time_vs_nanogpt(nanogpt_path, rounds=13, steps=10):
             opt.step()
             opt.zero_grad(set_to_none=True)
     opts = {k: torch.optim.AdamW(m.parameters(), lr=1e-3, betas=(0.9, 0.99), weight_decay=0.1) for k, m in models.items()}
-    times = take_turns({k: functools.partial(train, models[k], opts[k]) for k in models}, 'cpu', rounds)
+    times = take_turns({k: lambda k=k: train(models[k], opts[k]) for k in models}, 'cpu', rounds)
     ms = {k: [s / steps * 1000 for s in v[1:]] for k, v in times.items()}  # round 0: the warm-up
     return {k: (statistics.median(v), statistics.median(a / b for a, b in zip(v, ms['nanoGPT']))) for k, v in ms.items()}
 
@@ -217,13 +216,6 @@ def convert_report(args):
 
 ROUNDS = 15  # of every decode timing: each round runs every step once
 
-def step_flops(step):
-    """FLOPs of one call of step, SDPA on its math backend (the counter sees its products, not fused kernels)."""
-    math = [SDPBackend.MATH]
-    with patch('model.DECODE_BACKENDS', math), sdpa_kernel(math), FlopCounterMode(display=False) as counter:
-        step()
-    return counter.get_total_flops()
-
 @torch.inference_mode()
 def roofline(layouts, sizes, batch, contexts, device, dtype, compile=False, uncached=False, rounds=ROUNDS, chunk=512):
     """A cached decode step per layout and context t, eager (and compiled; and uncached: the forward over the t + 1
@@ -231,7 +223,7 @@ def roofline(layouts, sizes, batch, contexts, device, dtype, compile=False, unca
     m, n = (8192, 2 ** 28) if device.startswith('cuda') else (2048, 2 ** 26)  # an m x m product, a copy of n floats
     a, b = (torch.randn(m, m, device=device, dtype=dtype) for _ in range(2))
     x, y = torch.ones(n, device=device), torch.empty(n, device=device)
-    fns, runs = {'copy': lambda: y.copy_(x), 'product': lambda: a @ b}, {}
+    fns, runs, math = {'copy': lambda: y.copy_(x), 'product': lambda: a @ b}, {}, [SDPBackend.MATH]
     kinds, options = ['eager'] + ['compiled'] * compile, compile_options(device) if compile else {}
     for attn in layouts:
         progress(f"decode steps at batch {batch}: {attn}")
@@ -247,8 +239,10 @@ def roofline(layouts, sizes, batch, contexts, device, dtype, compile=False, unca
                     cache.pos = cache.pos.fill_(t) if torch.is_tensor(cache.pos) else t  # (in place for a static cache)
                     return model(token, cache=cache)[0]
                 fns[attn, t, kind] = torch.compile(step, **options) if kind == 'compiled' else step
-                if kind == 'eager':  # what one step computes, and reads (once it ran, the cache holds t + 1 keys)
-                    runs[attn, t] = dict(flops=step_flops(step),
+                if kind == 'eager':  # what one step computes (on SDPA's math backend: the counter sees no fused
+                    with patch('model.DECODE_BACKENDS', math), sdpa_kernel(math), FlopCounterMode(display=False) as fc:
+                        step()  # kernels), and what it reads (now that it ran, the cache holds t + 1 keys)
+                    runs[attn, t] = dict(flops=fc.get_total_flops(),
                                          bytes=sum(p.nbytes for p in model.parameters()) + cache.nbytes)
             if uncached:
                 fns[attn, t, 'no cache'] = lambda model=model, window=idx[:, :t + 1]: model(window)[0]
@@ -358,21 +352,6 @@ def readme_section(mode, report, out='results'):
     headline = re.sub(r"(!\[[^]]*\]\()", rf"\g<1>{out}/", report.split(MORE)[0])
     return headline + f"\nThe whole report: [{out}/{mode}.md]({out}/{mode}.md).\n"
 
-class Parser(argparse.ArgumentParser):
-    def error(self, message):  # one line, not argparse's usage block
-        self.exit(2, f"error: {message} (see: python bench.py --help)\n")
-
-def checked(kind, ok, rule):
-    """An argparse type: kind(text) if it passes ok, else the one-line error 'argument --NAME: TEXT: rule'."""
-    def parse(text):
-        try:
-            if ok(value := kind(text)):
-                return value
-        except ValueError:
-            pass
-        raise argparse.ArgumentTypeError(f"{text!r}: {rule}")
-    return parse
-
 def main(argv=None):
     memory_errors_in_one_line('--batch, --t, --contexts, --n_embd, --n_layer')  # e.g. --t too large here
     PLOTS.clear()
@@ -385,7 +364,7 @@ def main(argv=None):
                    "no such file with nanoGPT's GPTConfig in it")
     positive = checked(float, lambda v: 0 < v < float('inf'), "give a number > 0")
     gen_tokens = checked(int, lambda v: 1 <= v <= 240, "give 1 to 240 (block 256, prompt 16)")
-    p = Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = Parser(prog='bench.py', description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument('mode', choices=['cache', 'train', 'decode', 'convert'])
     p.add_argument('extra', nargs='*', default=[], help='train, convert: more --key=value for train.py, after --')
     only = dict(extra='train, convert', compile='decode')  # {option: the modes it is for}

@@ -7,6 +7,7 @@ Config files (plain Python assignments) run in order over the script's defaults,
 overrides. Every key must be one of the defaults and every value must have the default's type
 (an int is accepted for a float). Any mistake: one line on stderr naming it, exit code 2.
 """
+import argparse
 import ast
 import difflib
 import math
@@ -19,6 +20,24 @@ import types
 def fail(msg):
     print(f"error: {msg}", file=sys.stderr)
     sys.exit(2)
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse (bench.py, the prepare scripts) with its errors as one line, not its usage block, and exit code 2."""
+    def error(self, message):
+        fail(f"{message} (see: python {self.prog} --help)")
+
+
+def checked(kind, ok, rule):
+    """An argparse type: kind(text) if it passes ok, else the one-line error 'argument --NAME: TEXT: rule'."""
+    def parse(text):
+        try:
+            if ok(value := kind(text)):
+                return value
+        except ValueError:
+            pass
+        raise argparse.ArgumentTypeError(f"{text!r}: {rule}")
+    return parse
 
 
 def describe(e):

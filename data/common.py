@@ -103,13 +103,10 @@ def save(out_dir, train_ids, val_ids, meta):
 
 
 def cli(prepare, description):
-    """argparse for a prepare script: --input PATH, --out_dir DIR; errors as one line, exit 1."""
-    import argparse
+    """argparse for a prepare script: --input PATH, --out_dir DIR; errors as one line, exit 2."""
     import sys
+    from configurator import Parser, fail
     here = os.path.dirname(os.path.abspath(sys.argv[0]))
-    class Parser(argparse.ArgumentParser):
-        def error(self, message):  # one line, not argparse's usage block
-            self.exit(1, f"error: {message} (see: python {self.prog} --help)\n")
     p = Parser(description=description)
     p.add_argument('--input', help=f'local input.txt (default: ${ENV}, else download)')
     p.add_argument('--out_dir', default=here, help='where train.bin, val.bin, meta.json go (default: beside this script)')
@@ -117,7 +114,7 @@ def cli(prepare, description):
     try:
         run_prepare(prepare, args.out_dir, args.input)
     except PrepareError as e:
-        sys.exit(f"error: {e}")
+        fail(str(e))
 
 
 def run_prepare(prepare, out_dir, input_path=None):

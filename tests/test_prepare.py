@@ -61,7 +61,7 @@ def test_offline_without_a_local_copy_says_how(tmp_path, monkeypatch):
 def test_prepare_script_bad_input_is_one_line(tmp_path, args, message):
     r = subprocess.run([sys.executable, 'data/shakespeare_char/prepare.py', '--out_dir', str(tmp_path), *args],
                        cwd=ROOT, capture_output=True, text=True)
-    assert r.returncode == 1 and r.stderr.strip() == f"error: {message}"
+    assert r.returncode == 2 and r.stderr.strip() == f"error: {message}"
     assert os.listdir(tmp_path) == []
 
 
@@ -70,7 +70,7 @@ def test_prepare_into_a_file_or_unwritable_folder_is_one_line(tmp_path):
     for out, why in ((tmp_path / 'a-file', 'File exists'), (tmp_path / 'a-file' / 'sub', 'Not a directory')):
         r = subprocess.run([sys.executable, 'data/shakespeare_char/prepare.py', '--input', SHAKESPEARE,
                             '--out_dir', str(out)], cwd=ROOT, capture_output=True, text=True)
-        assert r.returncode == 1 and r.stderr.strip() == f"error: cannot write the dataset to {str(out)!r}: {why}"
+        assert r.returncode == 2 and r.stderr.strip() == f"error: cannot write the dataset to {str(out)!r}: {why}"
     assert (tmp_path / 'a-file').read_text() == 'kept'
 
 

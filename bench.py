@@ -9,7 +9,6 @@ report to --out/MODE.md (default out-bench/); --readme writes results/MODE.md an
     python bench.py decode --compile      # ... with compiled columns (a static cache; on CUDA, CUDA graphs)
     python bench.py convert               # MHA -> GQA / MQA by mean-pooling K/V heads, then uptraining
 """
-import argparse
 import copy
 import json
 import os
@@ -28,7 +27,7 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
-from configurator import Parser, check_device, check_memory, checked, fail, memory_errors_in_one_line
+from configurator import Parser, check_device, check_memory, checked, describe, fail, memory_errors_in_one_line
 from model import GPT, GPTConfig, ATTN_LAYOUTS
 
 os.environ.setdefault('KINETO_LOG_LEVEL', '6')  # no 'USDT: profiler_start' lines (inductor profiles GPU kernels)
@@ -142,21 +141,16 @@ def train_report(args):
          ylim=(None, max(3.0, *(run['evals'][-1]['val/loss'] + 0.5 for run in runs.values()))),
          title='tiny Shakespeare (char): val loss', xlabel='iteration', ylabel='val loss')
     nanogpt = [f'--nanogpt={args.nanogpt}'] if args.nanogpt else []
-    body = (f"`{command(args, f'--max_iters={args.max_iters}', f'--device={args.device}', *nanogpt)}` on {machine()}: "
+    return (f"`{command(args, f'--max_iters={args.max_iters}', f'--device={args.device}', *nanogpt)}` on {machine()}: "
             f"{'config/<layout>.py + config/cpu.py' if cpu else 'config/<layout>.py (baby GPT, bf16)'}, seed 1337, the "
             f"same batches for every layout, evaluated every {every} iterations; losses at the last one; cache "
             "bytes/token at block_size in the run's dtype.\n\n" +
             table(['layout', 'params', 'cache bytes/token', 'train loss', 'val loss', 'best val (iteration)',
-                   'median ms/iter', 'tokens/s'], rows))
-    if args.nanogpt:
-        ms = step_time_vs_nanogpt(args.nanogpt)
-        body += ("\nTraining-step time on the same recipe, models taking turns in one process (medians of 12 rounds "
-                 "x 10 steps; vs nanoGPT: the median of each round's ratio):\n\n" + table(
-                     ['model', 'ms/step', 'vs nanoGPT'], [f"| {k} | {v:.2f} | {r:.3f} |" for k, (v, r) in ms.items()]))
-    return body + "\n![val loss curves](train_val_loss.png)\n"
+                   'median ms/iter', 'tokens/s'], rows) + (step_time_vs_nanogpt(args.nanogpt) if args.nanogpt else '') +
+            "\n![val loss curves](train_val_loss.png)\n")
 
-def step_time_vs_nanogpt(nanogpt_path, rounds=13, steps=10):
-    """{model: (median ms per step, median of each round's ratio to nanoGPT)}, the models taking turns."""
+def step_time_vs_nanogpt(nanogpt_path, rounds=12, steps=10):
+    """The training step of nanoGPT's model.py at nanogpt_path and of ours, the models taking turns: a table."""
     ng = runpy.run_path(nanogpt_path)  # its GPT, GPTConfig
     sizes = dict(n_layer=4, n_head=4, n_embd=128, block_size=64, vocab_size=65, dropout=0.0, bias=False)
     torch.manual_seed(0)
@@ -172,9 +166,12 @@ def step_time_vs_nanogpt(nanogpt_path, rounds=13, steps=10):
             opt.step()
             opt.zero_grad(set_to_none=True)
     opts = {k: torch.optim.AdamW(m.parameters(), lr=1e-3, betas=(0.9, 0.99), weight_decay=0.1) for k, m in models.items()}
-    times = take_turns({k: lambda k=k: train(models[k], opts[k]) for k in models}, 'cpu', rounds)
+    times = take_turns({k: lambda k=k: train(models[k], opts[k]) for k in models}, 'cpu', rounds + 1)
     ms = {k: [s / steps * 1000 for s in v[1:]] for k, v in times.items()}  # round 0: the warm-up
-    return {k: (statistics.median(v), statistics.median(a / b for a, b in zip(v, ms['nanoGPT']))) for k, v in ms.items()}
+    return (f"\nTraining-step time on the same recipe, models taking turns in one process (medians of {rounds} "
+            f"rounds x {steps} steps; vs nanoGPT: the median of each round's ratio):\n\n" +
+            table(['model', 'ms/step', 'vs nanoGPT'], [f"| {k} | {statistics.median(v):.2f} | "
+                  f"{statistics.median(a / b for a, b in zip(v, ms['nanoGPT'])):.3f} |" for k, v in ms.items()]))
 
 def convert_report(args):
     """Ainslie et al. 2023: MHA; GQA and MQA from scratch, and mean-pooled from MHA then uptrained (CPU preset)."""
@@ -235,7 +232,7 @@ def roofline(layouts, sizes, batch, contexts, device, dtype, compile=False, unca
                 for i in range(0, t, chunk):  # prefill in chunks: bounded memory for the materialized attention
                     model(idx[:, i:min(i + chunk, t)], cache=cache)
 
-                def step(model=model, token=idx[:, t:t + 1], cache=cache, t=t):  # the token at t, again and again
+                def step(model=model, token=idx[:, t:t + 1], cache=cache, t=t):  # the token at t again: the same work
                     cache.pos = cache.pos.fill_(t) if torch.is_tensor(cache.pos) else t  # (in place for a static cache)
                     return model(token, cache=cache)[0]
                 fns[attn, t, kind] = torch.compile(step, **options) if kind == 'compiled' else step
@@ -266,7 +263,7 @@ def roofline_section(runs, bandwidth, rate, batch, t, path):
         binds = max(floors, key=floors.get)
         rows.append(f"| {attn} | {mb[attn]:,.3g} MB | {run['flops'] / 1e9:.3g} | {floors['bytes']:.3g} | "
                     f"{floors['FLOPs']:.3g} | {binds} | " +
-                    " | ".join(f"{ms[k]:.3g} | **{100 * floors[binds] / ms[k]:.0f}%**" for k in kinds) + " |")
+                    " | ".join(f"{ms[k]:.3g} | **{100 * floors[binds] / ms[k]:.3g}%**" for k in kinds) + " |")
         lines += [([mb[attn]], [ms[k]], f'{attn}, {k} step', dict(color=f'C{i}', marker=m, ls='', fillstyle=f))
                   for k, m, f in (('eager', 'o', 'full'), ('compiled', 's', 'none')) if k in ms]
         lines.append(([mb[attn]], [floors['FLOPs']], f'{attn}, FLOP floor',
@@ -302,11 +299,11 @@ def generation(layouts, sizes, device, dtype, compile=False, prompt=16, new=240,
             for kind in kinds:
                 run(kind, 4)  # warm-up (and compilation)
             secs = {k: min(v) for k, v in take_turns({k: lambda k=k: run(k) for k in kinds}, device, 2).items()}
-            same = [agree(models['no cache'], idx, out['no cache'], out[k]) for k in kinds[1:]]
-            same = 'NO' if 'NO' in same else max(same, key=len)  # the worst of: NO, a near-tie, yes
             rows.append(f"| {attn} | {batch} | " + " | ".join(f"{batch * new / secs[k]:,.1f}" for k in kinds) +
-                        f" | {secs['no cache'] / secs['cache']:.1f}x | {same} |")
-    return table(['layout', 'batch', *[f"tokens/s, {k}" for k in kinds], 'cache speedup', 'identical tokens'], rows)
+                        f" | {secs['no cache'] / secs['cache']:.1f}x | " + " | ".join(
+                            agree(models['no cache'], idx, out['no cache'], out[k]) for k in kinds[1:]) + " |")
+    return table(['layout', 'batch', *[f"tokens/s, {k}" for k in kinds], 'cache speedup',
+                  *[f"identical tokens, {k}" for k in kinds[1:]]], rows)
 
 def agree(model, idx, ref, other, tol=1e-4):
     """'yes' if two greedy runs agree; where they part, a near-tie if ref's top two logits are within tol, else 'NO'."""
@@ -339,7 +336,7 @@ def decode_report(args, sizes):
             f"generated token (a cached step / a forward over the t + 1 tokens), medians of {ROUNDS} rounds taken "
             "like the roofline's (so each step reads its weights cold):\n\n" +
             table(['layout', *[f"t={t} cached / no cache" for t in contexts]], [f"| {attn} | " + " | ".join(
-                f"{costs[attn, t]['ms']['eager']:.2f} / {costs[attn, t]['ms']['no cache']:.1f}" for t in contexts) + " |"
+                f"{costs[attn, t]['ms']['eager']:.3g} / {costs[attn, t]['ms']['no cache']:.3g}" for t in contexts) + " |"
                 for attn in layouts]))
     return text + (f"\n![decode cost vs context](decode.png)\n\n**Generation, {args.gen_tokens} new tokens after a "
                    "16-token prompt, block 256, greedy** (the best of two runs each way):\n\n" +
@@ -360,11 +357,9 @@ def main(argv=None):
     layouts = listed(str, lambda v: set(v) <= set(ATTN_LAYOUTS), "choose from " + ','.join(ATTN_LAYOUTS))
     fractions = listed(float, lambda v: all(0 <= f <= 1 for f in v), "give numbers in [0, 1]")
     contexts = listed(int, lambda v: v[0] >= 1, "give integers >= 1")
-    path = checked(str, lambda p: os.path.isfile(p) and 'class GPTConfig' in open(p, errors='replace').read(),
-                   "no such file with nanoGPT's GPTConfig in it")
     positive = checked(float, lambda v: 0 < v < float('inf'), "give a number > 0")
     gen_tokens = checked(int, lambda v: 1 <= v <= 240, "give 1 to 240 (block 256, prompt 16)")
-    p = Parser(prog='bench.py', description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = Parser(prog='bench.py', description=__doc__)
     p.add_argument('mode', choices=['cache', 'train', 'decode', 'convert'])
     p.add_argument('extra', nargs='*', default=[], help='train, convert: more --key=value for train.py, after --')
     only = dict(extra='train, convert', compile='decode')  # {option: the modes it is for}
@@ -373,7 +368,7 @@ def main(argv=None):
             ('', 'out', None, str, 'folder for runs, reports and plots (default: out-bench; with --readme: results)'),
             ('train, decode', 'device', 'cpu', str, 'cpu or cuda[:N]; train on cuda runs the full baby-GPT recipe'),
             ('train, convert', 'max_iters', None, count, "iterations (MHA's for convert): 2000, train on cuda 5000"),
-            ('train', 'nanogpt', None, path, "nanoGPT's model.py, to time its step next to ours"),
+            ('train', 'nanogpt', None, str, "nanoGPT's model.py, to time its step next to ours"),
             ('convert', 'fractions', '0,0.01,0.025,0.05,0.1', fractions, 'uptraining, fractions of max_iters'),
             ('convert', 'lr', 1e-3, positive, 'peak learning rate of uptraining'),
             ('decode', 'n_layer', 6, count, 'layers'), ('decode', 'n_head', 6, count, 'heads'),
@@ -391,20 +386,25 @@ def main(argv=None):
     default = vars(p.parse_intermixed_args([args.mode]))  # (string defaults parsed by their type)
     for key, modes in only.items():
         if modes and args.mode not in modes and getattr(args, key) != default[key]:
-            p.error(f"{'extra arguments ' + repr(args.extra) if key == 'extra' else '--' + key} not for {args.mode} "
-                    "(train.py's keys go after --, for train and convert)")
+            p.error(f"{'extra arguments ' + repr(args.extra) if key == 'extra' else '--' + key} not for {args.mode}"
+                    + " (train.py's keys go after --, for train and convert)" * (key != 'compile'))
     owned = ['out_dir', 'wandb_log', 'attn', 'device', 'max_iters', 'lr_decay_iters', 'eval_interval', 'log_interval',
              'init_from', 'eval_only', 'seed']
     if args.mode == 'convert':  # and the uptraining's
         owned += ['n_kv_head', 'learning_rate', 'min_lr', 'warmup_iters', 'match_mha_params']
     if clash := [x for x in args.extra if x.lstrip('-').split('=')[0] in owned or not x.startswith('--')]:
-        p.error(f"{clash[0]}: bench.py sets that itself (the extras are train.py's --key=value)")
+        p.error(f"{clash[0]}: " + ("bench.py sets that itself" if clash[0].startswith('--') else "not a --key=value")
+                + " (the extras are train.py's --key=value; bench.py picks the config files)")
     if args.readme and args.out not in (None, 'results'):
         p.error(f"--out={args.out} with --readme: the README links to results/, where --readme writes")
     args.out = args.out or ('results' if args.readme else 'out-bench')  # results/: what the README shows
     args.layouts = [a for a in ATTN_LAYOUTS if a in args.layouts]  # in the usual order
     args.max_iters = args.max_iters or (5000 if args.mode == 'train' and args.device != 'cpu' else 2000)
     check_device(args.device, args.dtype)
+    try:  # nanoGPT's model.py runs now, two steps: a wrong file is refused before five layouts train, not after
+        args.nanogpt and step_time_vs_nanogpt(args.nanogpt, rounds=1, steps=1)
+    except Exception as e:
+        p.error(f"--nanogpt={args.nanogpt}: not nanoGPT's model.py? {describe(e)}")
     sizes = dict(n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd)  # decode; MLA at the paper's ratios
     readme = open('README.md').read() if args.readme and os.path.isfile('README.md') else ''
     start, end = f"<!-- {args.mode}-table -->", f"<!-- /{args.mode}-table -->"
@@ -416,7 +416,7 @@ def main(argv=None):
         need += max(sum(c.cache_bytes(args.t + 1, dtype) * args.batch * (1 + args.compile) for c in cfgs) +
                     8 * args.batch * (args.t + 1) * len(cfgs),  # the caches, and the token ids
                     sum(c.cache_bytes(max(args.contexts) + 1, dtype) * len(args.contexts) for c in cfgs) +  # full buffers
-                    ('mla' in args.layouts) * max(args.contexts) ** 2 * args.n_head * 4)  # MLA's scores with no cache
+                    ('mla' in [c.attn for c in cfgs]) * max(args.contexts) ** 2 * args.n_head * 4)  # MLA's uncached scores
         check_memory(need, args.device, f"--t={args.t}, --batch={args.batch}, --contexts, the sizes: weights and caches")
         if args.readme and not (start in readme and end in readme):
             raise ValueError(f"no README.md here with a '{start}' ... '{end}' section to rewrite")

@@ -1,5 +1,6 @@
 """
-nanoGPT-style configuration, with checks:
+nanoGPT-style configuration, with checks (and the one-line errors every script shares: fail, argparse's Parser,
+the device and memory checks):
 
     python train.py config/gqa.py config/cpu.py --batch_size=32 --attn=mla
 
@@ -23,7 +24,11 @@ def fail(msg):
 
 
 class Parser(argparse.ArgumentParser):
-    """argparse (bench.py, the prepare scripts) with its errors as one line, not its usage block, and exit code 2."""
+    """argparse (bench.py, the prepare scripts) with its errors as one line, not its usage block, and exit code 2;
+    --help keeps the description's lines (its usage examples)."""
+    def __init__(self, **kwargs):
+        super().__init__(formatter_class=argparse.RawDescriptionHelpFormatter, **kwargs)
+
     def error(self, message):
         fail(f"{message} (see: python {self.prog} --help)")
 
@@ -34,7 +39,7 @@ def checked(kind, ok, rule):
         try:
             if ok(value := kind(text)):
                 return value
-        except ValueError:
+        except (ValueError, OSError):
             pass
         raise argparse.ArgumentTypeError(f"{text!r}: {rule}")
     return parse

@@ -51,7 +51,7 @@ class GPTConfig:
         self.n_kv_head = self.n_kv_head or (allowed[0] if allowed else 0)  # 0 = the layout's default
         if self.n_kv_head not in allowed:
             rule = 'divisors 1 < d < n_head' if self.attn == 'gqa' else 'or 0, its default'
-            self.bad('n_kv_head', f"attn={self.attn!r} with n_head={h} allows {allowed} ({rule})")
+            self.bad('n_kv_head' if allowed else 'n_head', f"attn={self.attn!r} with n_head={h} allows {allowed} ({rule})")
         self.kv_lora_rank = self.kv_lora_rank or 4 * self.head_dim  # 0 = the paper's ratios to head_dim
         self.rope_head_dim = self.rope_head_dim or max(2, self.head_dim // 4 * 2)
         if self.attn == 'mla' and self.rope_head_dim % 2:
@@ -300,9 +300,9 @@ def mlp_hidden(config):
     """4 * n_embd, or (match_mha_params) the width that gives the model MHA's parameter count."""
     if not config.match_mha_params:
         return 4 * config.n_embd
-    with torch.device('meta'):  # counted, nothing allocated
+    with torch.device('meta'):  # counted, nothing allocated; MHA's weights, without RoPE's rule of an even head_dim
         count = lambda cfg: sum(p.numel() for p in ATTENTION[cfg.attn](cfg).parameters())
-        extra = count(replace(config, attn='mha', n_kv_head=0, match_mha_params=False)) - count(config)
+        extra = count(replace(config, attn='mha', n_kv_head=0, pos_emb='learned', match_mha_params=False)) - count(config)
     return 4 * config.n_embd + round(extra / (2 * config.n_embd + config.bias))  # c_fc row + c_proj column
 
 class MLP(nn.Module):

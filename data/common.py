@@ -17,10 +17,10 @@ class PrepareError(Exception):
 def read_text(input_path=None, download_to=None):
     """The tiny Shakespeare text from input_path, else $SHAKESPEARE_PATH, else a previous download
     at download_to, else downloaded there."""
-    path = input_path or os.environ.get(ENV)
-    if path:
+    path = input_path if input_path is not None else os.environ.get(ENV) or None  # --input '' is refused
+    if path is not None:
         if not os.path.isfile(path):
-            raise PrepareError(f"no text file at {path!r} (from {'--input' if input_path else '$' + ENV})")
+            raise PrepareError(f"no text file at {path!r} (from {'$' + ENV if input_path is None else '--input'})")
     elif download_to and os.path.isfile(download_to):
         path = download_to
     else:
@@ -107,7 +107,7 @@ def cli(prepare, description):
     import sys
     from configurator import Parser, fail
     here = os.path.dirname(os.path.abspath(sys.argv[0]))
-    p = Parser(description=description)
+    p = Parser(prog=os.path.relpath(sys.argv[0]), description=description)  # as typed from here
     p.add_argument('--input', help=f'local input.txt (default: ${ENV}, else download)')
     p.add_argument('--out_dir', default=here, help='where train.bin, val.bin, meta.json go (default: beside this script)')
     args = p.parse_args()

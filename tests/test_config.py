@@ -9,7 +9,7 @@ BAD = [
     (dict(n_embd=100, n_head=6), r"n_embd.*divisible by n_head"),
     (dict(attn='gqa', n_kv_head=4), r"n_kv_head.*n_head=6 allows \[2, 3\].*divisor"),
     (dict(attn='gqa', n_kv_head=6), r"n_kv_head.*\[2, 3\]"),
-    (dict(attn='gqa', n_head=5, n_embd=40), r"n_kv_head.*\[\]"),
+    (dict(attn='gqa', n_head=5, n_embd=40), r"n_head=5 is invalid.*allows \[\]"),  # no grouping: n_head is wrong
     (dict(attn='mha', n_kv_head=3), r"n_kv_head=3.*allows \[6\]"),
     (dict(attn='mqa', n_kv_head=2), r"n_kv_head.*allows \[1\]"),
     (dict(attn='mla', n_kv_head=2), r"n_kv_head.*allows \[6\] \(or 0, its default\)$"),
@@ -43,6 +43,8 @@ def test_layout_defaults_for_n_kv_head():
     assert GPTConfig(attn='gqa', n_head=32, n_embd=4096, n_kv_head=8).n_kv_head == 8
     # odd head_dim is fine without RoPE, and learned positions keep MLA's (unrotated) shared key
     GPTConfig(n_embd=30, n_head=6, pos_emb='learned')
+    for attn in ('mla', 'linear'):  # MHA's parameter count, which they match, does not need RoPE's even head_dim
+        GPTConfig(attn=attn, n_embd=30, n_head=6, match_mha_params=True)
 
 
 def test_mla_sizes_default_to_the_papers_ratios():

@@ -56,7 +56,8 @@ def test_offline_without_a_local_copy_says_how(tmp_path, monkeypatch):
 
 @pytest.mark.parametrize('args,message', [
     (['--input', '/no/such/file.txt'], "no text file at '/no/such/file.txt' (from --input)"),
-    (['--inptu', 'x'], "unrecognized arguments: --inptu x (see: python prepare.py --help)"),
+    (['--inptu', 'x'], "unrecognized arguments: --inptu x (see: python data/shakespeare_char/prepare.py --help)"),
+    (['--input', ''], "no text file at '' (from --input)"),  # not $SHAKESPEARE_PATH, nor a download
 ])
 def test_prepare_script_bad_input_is_one_line(tmp_path, args, message):
     r = subprocess.run([sys.executable, 'data/shakespeare_char/prepare.py', '--out_dir', str(tmp_path), *args],

@@ -336,7 +336,7 @@ def decode_report(args, sizes):
             f"generated token (a cached step / a forward over the t + 1 tokens), medians of {ROUNDS} rounds taken "
             "like the roofline's (so each step reads its weights cold):\n\n" +
             table(['layout', *[f"t={t} cached / no cache" for t in contexts]], [f"| {attn} | " + " | ".join(
-                f"{costs[attn, t]['ms']['eager']:.3g} / {costs[attn, t]['ms']['no cache']:.3g}" for t in contexts) + " |"
+                f"{costs[attn, t]['ms']['eager']:.3g} / {costs[attn, t]['ms']['no cache']:,.1f}" for t in contexts) + " |"
                 for attn in layouts]))
     return text + (f"\n![decode cost vs context](decode.png)\n\n**Generation, {args.gen_tokens} new tokens after a "
                    "16-token prompt, block 256, greedy** (the best of two runs each way):\n\n" +

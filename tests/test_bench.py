@@ -39,7 +39,7 @@ def test_decode_report_on_a_tiny_model(tmp_path):
         assert float(pct) == pytest.approx(100 * max(float(bytes_ms), float(flop_ms)) / float(ms), rel=0.02)  # 3 digits
     flops = {r[0]: float(r[2]) for r in roof}
     assert flops['mla'] > flops['mha']  # absorbed MLA: per head, d_c + d_R per key for the score and d_c for the value
-    costs = re.findall(r"\| (mha|gqa|mqa|mla|linear) \| ([\d.e+-]+) / ([\d.e+-]+) \| ([\d.e+-]+) / ([\d.e+-]+) \|", out)
+    costs = re.findall(r"\| (mha|gqa|mqa|mla|linear) \| ([\d.e-]+) / ([\d.,]+) \| ([\d.e-]+) / ([\d.,]+) \|", out)
     assert [c[0] for c in costs] == ['mha', 'gqa', 'mqa', 'mla', 'linear']
     gen = re.findall(r"\| (mha|gqa|mqa|mla|linear) \| (1|8) \| [\d.,]+ \| [\d.,]+ \| [\d.]+x \| yes \|", out)
     assert len(gen) == 10  # identical greedy tokens with and without the cache, batch 1 and 8

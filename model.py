@@ -227,8 +227,8 @@ def linear_chunked(q, k, v, chunk_size, state, eps=1e-6):
     return out, (S[:, :, -1] + kv[:, :, -1], z[:, :, -1] + ksum[:, :, -1])
 
 class LinearAttention(CausalSelfAttention):
-    """CausalSelfAttention's projections with n_head K/V heads, phi(x) = elu(x) + 1 and no softmax: an RNN with a
-    fixed-size float32 state. No RoPE: rotating phi(q), phi(k) would break the positive denominator."""
+    """CausalSelfAttention's projections (n_head K/V heads), phi(x) = elu(x) + 1, no softmax: an RNN caching a fixed
+    float32 state per head, S = sum phi(k) vᵀ, z = sum phi(k). No RoPE: it would break the positive denominator."""
 
     def mix(self, q, k, v, pos, cache):
         # phi(q), phi(k), v, the state and the division in float32 at least: in fp16 the denominator would overflow
@@ -243,7 +243,7 @@ class LinearAttention(CausalSelfAttention):
         return y.type_as(v)
 
     def init_cache(self, batch_size, capacity, dtype, device):
-        S = (batch_size, self.n_head, self.head_dim, self.head_dim)  # S = sum phi(k) vᵀ and z = sum phi(k)
+        S = (batch_size, self.n_head, self.head_dim, self.head_dim)  # S (B, nh, hs, hs); z (B, nh, hs): S[:-1]
         return LayerCache([S, S[:-1]], torch.promote_types(dtype, torch.float32), device, grows=False)
 
 class MultiHeadLatentAttention(Attention):

@@ -20,7 +20,9 @@ import shutil
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
+from dataclasses import replace
 from unittest.mock import patch
 
 import torch
@@ -111,13 +113,16 @@ def command(args, *options):
     return ' '.join(['python bench.py', args.mode, *options, *layouts] + (['--', *args.extra] if args.extra else []))
 
 def train_run(run_dir, args):
-    """train.py with args into a fresh run_dir: its metrics.jsonl rows, evaluations, parameters, tokens/iter."""
-    shutil.rmtree(run_dir, ignore_errors=True)
-    cmd = [sys.executable, 'train.py', *args, f'--out_dir={run_dir}', '--wandb_log=False']
+    """train.py with args into run_dir: its metrics.jsonl rows, evaluations, parameters, tokens/iter."""
+    new = run_dir + '.new'  # an earlier run in run_dir is replaced once this one succeeded, never lost to a failed one
+    shutil.rmtree(new, ignore_errors=True)
+    cmd = [sys.executable, 'train.py', *args, f'--out_dir={new}', '--wandb_log=False']
     progress(' '.join(cmd[1:]))
     r = subprocess.run(cmd, capture_output=True, text=True)
     if r.returncode:
-        fail(f"train.py failed in {run_dir}: {(r.stderr.strip().splitlines() or ['?'])[-1].removeprefix('error: ')}")
+        fail(f"train.py failed in {new}: {(r.stderr.strip().splitlines() or ['?'])[-1].removeprefix('error: ')}")
+    shutil.rmtree(run_dir, ignore_errors=True)
+    os.replace(new, run_dir)
     rows = [json.loads(line) for line in open(os.path.join(run_dir, 'metrics.jsonl'))]
     return dict(rows=rows, evals=[r for r in rows if 'val/loss' in r], params=re.search(r"([\d.]+)M param", r.stdout)[1],
                 tokens=int(re.search(r"tokens per iteration will be: ([\d,]+)", r.stdout)[1].replace(',', '')))
@@ -387,7 +392,7 @@ def main(argv=None):
     for key, modes in only.items():
         if modes and args.mode not in modes and getattr(args, key) != default[key]:
             p.error(f"{'extra arguments ' + repr(args.extra) if key == 'extra' else '--' + key} not for {args.mode}"
-                    + " (train.py's keys go after --, for train and convert)" * (key != 'compile'))
+                    + " (train.py's keys go after --, for train and convert)" * (args.mode in ('train', 'convert')))
     owned = ['out_dir', 'wandb_log', 'attn', 'device', 'max_iters', 'lr_decay_iters', 'eval_interval', 'log_interval',
              'init_from', 'eval_only', 'seed']
     if args.mode == 'convert':  # and the uptraining's
@@ -395,15 +400,16 @@ def main(argv=None):
     if clash := [x for x in args.extra if x.lstrip('-').split('=')[0] in owned or not x.startswith('--')]:
         p.error(f"{clash[0]}: " + ("bench.py sets that itself" if clash[0].startswith('--') else "not a --key=value")
                 + " (the extras are train.py's --key=value; bench.py picks the config files)")
-    if args.readme and args.out not in (None, 'results'):
-        p.error(f"--out={args.out} with --readme: the README links to results/, where --readme writes")
-    args.out = args.out or ('results' if args.readme else 'out-bench')  # results/: what the README shows
+    if args.out == '' or args.readme and args.out is not None and os.path.normpath(args.out) != 'results':
+        p.error(f"--out={args.out!r}: " + ("with --readme: the README links to results/, where --readme writes"
+                                            if args.out else "give a folder to write the results in"))
+    args.out = 'results' if args.readme else args.out or 'out-bench'  # results/: what the README shows
     args.layouts = [a for a in ATTN_LAYOUTS if a in args.layouts]  # in the usual order
     args.max_iters = args.max_iters or (5000 if args.mode == 'train' and args.device != 'cpu' else 2000)
     check_device(args.device, args.dtype)
     try:  # nanoGPT's model.py runs now, two steps: a wrong file is refused before five layouts train, not after
-        args.nanogpt and step_time_vs_nanogpt(args.nanogpt, rounds=1, steps=1)
-    except Exception as e:
+        args.nanogpt is None or step_time_vs_nanogpt(args.nanogpt, rounds=1, steps=1)
+    except (Exception, SystemExit) as e:
         p.error(f"--nanogpt={args.nanogpt}: not nanoGPT's model.py? {describe(e)}")
     sizes = dict(n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd)  # decode; MLA at the paper's ratios
     readme = open('README.md').read() if args.readme and os.path.isfile('README.md') else ''
@@ -411,18 +417,20 @@ def main(argv=None):
     try:
         dtype = getattr(torch, args.dtype)
         cfgs = [GPTConfig(attn=a, **sizes) for a in args.layouts] if args.mode == 'decode' else []
-        with torch.device('meta'):  # counted, not allocated: both decode rooflines hold every layout at once
-            need = sum(sum(p.numel() for p in GPT(c).parameters()) * dtype.itemsize for c in cfgs)
+        with torch.device('meta'):  # counted, not allocated, at 1 and 2 layers (the blocks are alike): any n_layer
+            one, two = ([sum(p.numel() for p in GPT(replace(c, n_layer=n)).parameters()) for c in cfgs] for n in (1, 2))
+        need = sum(a + (args.n_layer - 1) * (b - a) for a, b in zip(one, two)) * dtype.itemsize  # every layout at once
         need += max(sum(c.cache_bytes(args.t + 1, dtype) * args.batch * (1 + args.compile) for c in cfgs) +
                     8 * args.batch * (args.t + 1) * len(cfgs),  # the caches, and the token ids
                     sum(c.cache_bytes(max(args.contexts) + 1, dtype) * len(args.contexts) for c in cfgs) +  # full buffers
                     ('mla' in [c.attn for c in cfgs]) * max(args.contexts) ** 2 * args.n_head * 4)  # MLA's uncached scores
         check_memory(need, args.device, f"--t={args.t}, --batch={args.batch}, --contexts, the sizes: weights and caches")
+        if args.mode in ('train', 'convert') and not os.path.isfile('train.py'):
+            raise ValueError(f"{args.mode} runs train.py and config/ from here: run bench.py in its own folder")
         if args.readme and not (start in readme and end in readme):
             raise ValueError(f"no README.md here with a '{start}' ... '{end}' section to rewrite")
         os.makedirs(args.out, exist_ok=True)  # only once every argument is checked
-        if not os.access(args.out, os.W_OK):
-            raise PermissionError(13, 'Permission denied')
+        tempfile.TemporaryFile(dir=args.out).close()  # writable? (os.access says yes to root, even in /sys)
     except ValueError as e:
         p.error(str(e))
     except OSError as e:

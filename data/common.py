@@ -87,18 +87,23 @@ def split(text, train_fraction=0.9):
 
 
 def save(out_dir, train_ids, val_ids, meta):
-    """train.bin / val.bin as uint16 token ids and meta.json, each written to a temp file then renamed."""
-    os.makedirs(out_dir, exist_ok=True)
+    """train.bin / val.bin as uint16 token ids and meta.json: all three written to temp files, then renamed, so a
+    failed write (disk full) leaves the previous dataset whole, and no temp file."""
     if meta['vocab_size'] > 2 ** 16:
         raise PrepareError(f"vocab_size {meta['vocab_size']} does not fit uint16")
-    for name, ids in (('train.bin', train_ids), ('val.bin', val_ids)):
-        tmp = os.path.join(out_dir, name + '.tmp')
-        np.asarray(ids, dtype=np.uint16).tofile(tmp)
-        os.replace(tmp, os.path.join(out_dir, name))
-    tmp = os.path.join(out_dir, 'meta.json.tmp')
-    with open(tmp, 'w', encoding='utf-8') as f:
-        json.dump(meta, f, ensure_ascii=False)
-    os.replace(tmp, os.path.join(out_dir, 'meta.json'))
+    os.makedirs(out_dir, exist_ok=True)
+    paths = [os.path.join(out_dir, name) for name in ('train.bin', 'val.bin', 'meta.json')]
+    try:
+        np.asarray(train_ids, dtype=np.uint16).tofile(paths[0] + '.tmp')
+        np.asarray(val_ids, dtype=np.uint16).tofile(paths[1] + '.tmp')
+        with open(paths[2] + '.tmp', 'w', encoding='utf-8') as f:
+            json.dump(meta, f, ensure_ascii=False)
+        for path in paths:
+            os.replace(path + '.tmp', path)
+    finally:
+        for path in paths:  # what a failed write left behind
+            if os.path.isfile(path + '.tmp'):
+                os.remove(path + '.tmp')
     print(f"{out_dir}: train {len(train_ids):,} tokens, val {len(val_ids):,} tokens, vocab {meta['vocab_size']:,}")
 
 

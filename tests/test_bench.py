@@ -134,6 +134,7 @@ def test_convert_experiment_on_a_tiny_model(tmp_path, char_data):
 def test_bad_arguments_are_one_line(tmp_path, capsys, monkeypatch):
     (tmp_path / 'a-file').write_text('results go in a folder')
     (tmp_path / 'fake.py').write_text('class GPTConfig: pass')  # runs, but is not nanoGPT's model.py
+    (tmp_path / 'quits.py').write_text('import sys; sys.exit(0)')
     for args, msg in ((['decode', f'--out={tmp_path / "a-file"}'], "File exists; give a folder to write the results in"),
                       (['train', f'--out={tmp_path / "a-file" / "sub"}'], "Not a directory; give a folder"),
                       (['decode', '--contexts=8,x'], "--contexts: '8,x': give integers >= 1"),
@@ -170,19 +171,32 @@ def test_bad_arguments_are_one_line(tmp_path, capsys, monkeypatch):
                       (['decode', '--n_head=5', '--n_embd=40'], "GPTConfig.n_head=5 is invalid: attn='gqa' with n_head=5"),
                       (['train', '--', '--eval_only=True'], "--eval_only=True: bench.py sets that itself"),
                       (['train', '--nanogpt=README.md'], "README.md: not nanoGPT's model.py? SyntaxError"),
+                      (['train', f'--nanogpt={tmp_path / "quits.py"}'], "quits.py: not nanoGPT's model.py? SystemExit"),
+                      (['train', '--nanogpt='], "--nanogpt=: not nanoGPT's model.py?"),
+                      (['cache', '--out='], "--out='': give a folder to write the results in"),
+                      (['decode', '--n_layer=1000000000'], "weights and caches need at least"),  # counted at once
                       (['cache', '--readme', f'--out={tmp_path}'], "with --readme: the README links to results/")):
         with pytest.raises(SystemExit) as e:  # in process: main() checks every argument before any work
             bench_module.main(args)
         err = capsys.readouterr().err
         assert e.value.code == 2 and msg in err and len(err.strip().splitlines()) == 1, err
+    (tmp_path / 't' / 'train' / 'mha').mkdir(parents=True)
+    (tmp_path / 't' / 'train' / 'mha' / 'ckpt.pt').write_text('an earlier run')
     with pytest.raises(SystemExit) as e:  # a value train.py refuses: its line, after bench's progress line, exit 2
         bench_module.main(['train', '--layouts=mha', f'--out={tmp_path / "t"}', '--', '--n_layer=0'])
     err = capsys.readouterr().err.strip().splitlines()
     assert e.value.code == 2 and re.fullmatch(r"error: train.py failed in .*: GPTConfig.n_layer=0 is invalid.*", err[-1])
-    monkeypatch.chdir(tmp_path)  # no README.md to rewrite here: refused before any work
-    with pytest.raises(SystemExit) as e:
-        bench_module.main(['cache', '--readme'])
-    assert e.value.code == 2 and "no README.md here with a '<!-- cache-table -->'" in capsys.readouterr().err
+    assert (tmp_path / 't' / 'train' / 'mha' / 'ckpt.pt').read_text() == 'an earlier run'  # not lost to the failed run
+    if os.path.isdir('/proc/self'):  # a folder no one can write in, root included (os.access says yes to root)
+        with pytest.raises(SystemExit) as e:
+            bench_module.main(['cache', '--out=/proc/self'])
+        assert e.value.code == 2 and "--out '/proc/self'" in capsys.readouterr().err
+    monkeypatch.chdir(tmp_path)  # no README.md to rewrite here, nor train.py to run: refused before any work
+    for args, msg in ((['cache', '--readme'], "no README.md here with a '<!-- cache-table -->'"),
+                      (['convert'], "convert runs train.py and config/ from here: run bench.py in its own folder")):
+        with pytest.raises(SystemExit) as e:
+            bench_module.main(args)
+        assert e.value.code == 2 and msg in capsys.readouterr().err
     assert (tmp_path / 'a-file').read_text() == 'results go in a folder'
     assert not (tmp_path / 'new').exists() and not (tmp_path / 'results').exists()
 

@@ -66,6 +66,18 @@ def test_prepare_script_bad_input_is_one_line(tmp_path, args, message):
     assert os.listdir(tmp_path) == []
 
 
+def test_a_failed_write_leaves_the_previous_dataset_whole(tmp_path):
+    """All three files go to temp files first, then are renamed: a write that fails (here meta.json's, disk full
+    alike) changes none of the previous files and leaves no temp file."""
+    for name in ('train.bin', 'val.bin', 'meta.json'):
+        (tmp_path / name).write_text(f'previous {name}')
+    (tmp_path / 'meta.json.tmp').mkdir()  # its write fails
+    with pytest.raises(OSError):
+        common.save(str(tmp_path), [1, 2, 3], [4], {'kind': 'char', 'vocab_size': 5, 'itos': list('abcde')})
+    assert all((tmp_path / n).read_text() == f'previous {n}' for n in ('train.bin', 'val.bin', 'meta.json'))
+    assert sorted(os.listdir(tmp_path)) == ['meta.json', 'meta.json.tmp', 'train.bin', 'val.bin']
+
+
 def test_prepare_into_a_file_or_unwritable_folder_is_one_line(tmp_path):
     (tmp_path / 'a-file').write_text('kept')
     for out, why in ((tmp_path / 'a-file', 'File exists'), (tmp_path / 'a-file' / 'sub', 'Not a directory')):

@@ -638,5 +638,8 @@ if wandb_log and master_process:
         artifact.add_file(ckpt_path)
         wandb.log_artifact(artifact)
     wandb.finish()
+if ddp:  # DDP keeps gloo's worker threads alive past destroy_process_group; one that frees a tensor while
+    sys.stdout.flush(), sys.stderr.flush()  # Python shuts down aborts the run (SIGABRT). All is saved by now,
+    os._exit(130 if stop else 0)  # so leave without that shutdown
 if stop:
     sys.exit(130)  # interrupted (its state saved): not a finished run, for `train.py && sample.py`

@@ -1,6 +1,7 @@
 """
 One causal Transformer (nanoGPT's GPT) whose attention block is picked by config: MHA, GQA, MQA (softmax
-attention with n_kv_head K/V heads), MLA (DeepSeek-V2) and linear attention (Katharopoulos et al. 2020).
+attention with n_kv_head K/V heads), MLA (DeepSeek-V2) and the linear-attention family (a fixed state rewritten
+every token: Katharopoulos, RetNet, Mamba-2, DeltaNet, Gated DeltaNet), or a per-layer mix of them ('hybrid').
 Training / prefill feeds L = S = T tokens under a causal mask; decode feeds L = 1 token that attends to
 S = T + 1 keys. k_j, v_j depend only on tokens <= j, so each layout caches them (or a state); q is not cached.
 """
@@ -13,7 +14,18 @@ import torch.nn as nn
 from torch.nn import functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-ATTN_LAYOUTS = ('mha', 'gqa', 'mqa', 'mla', 'linear')
+# The linear layouts, the founding chapter's table: each keeps a fixed state S per head and rewrites it every token,
+#     S_t = α_t S_{t-1} (I - β_t k_t k_tᵀ) + β_t v_t k_tᵀ,     o_t = S_t q_t,
+# and they differ only in the knob: how the old state is forgotten (α) and whether a write corrects it (β).
+LINEAR_RULES = {  # layout: (forget: α_t, correct: the delta rule)
+    'linear':         (None,    False),  # Katharopoulos et al. 2020: accumulate (α = 1, write v kᵀ), phi = elu + 1
+    'retnet':         ('decay', False),  # RetNet (Sun et al. 2023): α = γ_h = 1 - 2^(-5-h), fixed per head
+    'mamba2':         ('gate',  False),  # Mamba-2 (Dao & Gu 2024): α_t = exp(-exp(A_log) softplus(W_a x + dt_bias))
+    'deltanet':       (None,    True),   # DeltaNet (Schlag et al. 2021; Yang et al. 2024): β_t = σ(W_β x), α = 1
+    'gated_deltanet': ('gate',  True),   # Gated DeltaNet (Yang, Kautz, Hatamizadeh 2024): both
+}
+SOFTMAX = ('mha', 'gqa', 'mqa', 'mla')
+ATTN_LAYOUTS = (*SOFTMAX, *LINEAR_RULES)
 
 @dataclass
 class GPTConfig:
@@ -24,39 +36,44 @@ class GPTConfig:
     n_embd: int = 384
     dropout: float = 0.0
     bias: bool = False         # bias in Linears and LayerNorms, like GPT-2
-    attn: str = 'mha'          # one of ATTN_LAYOUTS
+    attn: str = 'mha'          # one of ATTN_LAYOUTS, or a hybrid 'gated_deltanet*3+gqa': per layer, repeated over n_layer
     n_kv_head: int = 0         # K/V heads; 0 = the layout's: mha n_head, gqa n_head's smallest divisor > 1, mqa 1
     pos_emb: str = 'rope'      # 'rope', or nanoGPT's 'learned' absolute positions
     rope_base: float = 10000.0
     kv_lora_rank: int = 0      # MLA d_c, the cached latent; 0 = 4 * head_dim (DeepSeek-V2's ratio)
     rope_head_dim: int = 0     # MLA d_R, the decoupled rope query/key; 0 = head_dim / 2 (even, >= 2)
     q_lora_rank: int = 0       # MLA query compression; 0 = off (as DeepSeek-V2-Lite)
-    chunk_size: int = 64       # linear attention: chunk of the chunkwise-parallel training form
+    chunk_size: int = 64       # linear layouts: chunk of the chunkwise-parallel training form
     match_mha_params: bool = False  # widen/narrow the MLP so the model has MHA's parameter count
 
     def __post_init__(self):
         whole = lambda least: (lambda v: isinstance(v, int) and v >= least, f"must be an integer >= {least}")
-        rules = [('attn', lambda v: v in ATTN_LAYOUTS, f"must be one of {ATTN_LAYOUTS}"),  # (field, test, rule)
+        rules = [('attn', lambda v: isinstance(v, str) and bool(self.pattern()),
+                  f"must be one of {ATTN_LAYOUTS}, or a hybrid of them like 'gated_deltanet*3+gqa'"),  # (field, test, rule)
                  ('pos_emb', lambda v: v in ('rope', 'learned'), "must be one of ('rope', 'learned')"),
                  *[(f, *whole(1)) for f in ('block_size', 'vocab_size', 'n_layer', 'n_head', 'n_embd', 'chunk_size')],
                  *[(f, *whole(0)) for f in ('n_kv_head', 'q_lora_rank', 'kv_lora_rank', 'rope_head_dim')],
                  ('dropout', lambda v: 0.0 <= v < 1.0, "must be in [0, 1)"),
                  ('rope_base', lambda v: v > 0, "must be > 0"),
-                 ('n_embd', lambda v: v % self.n_head == 0, f"must be divisible by n_head={self.n_head}")]
+                 ('n_embd', lambda v: v % self.n_head == 0, f"must be divisible by n_head={self.n_head}"),
+                 ('attn', lambda v: len(self.pattern()) <= self.n_layer,
+                  f"has {len(self.pattern() or '')} layers, more than n_layer={self.n_layer}"),
+                 ('attn', lambda v: len(set(self.pattern()) & set(SOFTMAX)) <= 1,
+                  f"mixes softmax layouts: a hybrid pairs linear layouts with one of {SOFTMAX}")]
         for field, ok, rule in rules:  # in order: later tests may rely on earlier fields being valid
             if not ok(getattr(self, field)):
                 self.bad(field, rule)
-        h = self.n_head  # K/V head counts each layout allows; mla and linear have n_head heads, none shared
-        allowed = {'mha': [h], 'mqa': [1], 'gqa': [d for d in range(2, h) if h % d == 0]}.get(self.attn, [h])
+        h, softmax = self.n_head, self.softmax  # K/V head counts each layout allows; mla and linear: n_head, none shared
+        allowed = {'mha': [h], 'mqa': [1], 'gqa': [d for d in range(2, h) if h % d == 0]}.get(softmax, [h])
         self.n_kv_head = self.n_kv_head or (allowed[0] if allowed else 0)  # 0 = the layout's default
         if self.n_kv_head not in allowed:
-            rule = 'divisors 1 < d < n_head' if self.attn == 'gqa' else 'or 0, its default'
+            rule = 'divisors 1 < d < n_head' if softmax == 'gqa' else 'or 0, its default'
             self.bad('n_kv_head' if allowed else 'n_head', f"attn={self.attn!r} with n_head={h} allows {allowed} ({rule})")
         self.kv_lora_rank = self.kv_lora_rank or 4 * self.head_dim  # 0 = the paper's ratios to head_dim
         self.rope_head_dim = self.rope_head_dim or max(2, self.head_dim // 4 * 2)
-        if self.attn == 'mla' and self.rope_head_dim % 2:
+        if softmax == 'mla' and self.rope_head_dim % 2:
             self.bad('rope_head_dim', "must be even for attn='mla' (RoPE rotates pairs)")
-        if self.pos_emb == 'rope' and self.attn in ('mha', 'gqa', 'mqa') and self.head_dim % 2:
+        if self.pos_emb == 'rope' and softmax in ('mha', 'gqa', 'mqa') and self.head_dim % 2:
             self.bad('n_embd', f"n_embd / n_head = {self.head_dim} must be even for RoPE (or use pos_emb='learned')")
         if self.match_mha_params and mlp_hidden(self) < 1:
             self.bad('match_mha_params', f"the MLP would need {mlp_hidden(self)} units; lower kv_lora_rank, q_lora_rank")
@@ -64,19 +81,41 @@ class GPTConfig:
     def bad(self, field, rule):
         raise ValueError(f"GPTConfig.{field}={getattr(self, field)!r} is invalid: {rule}")
 
+    def pattern(self):
+        """'gated_deltanet*3+gqa' -> [gated_deltanet, gated_deltanet, gated_deltanet, gqa]; [] if not one."""
+        parts = [p.partition('*') for p in self.attn.split('+')] if isinstance(self.attn, str) else [('', '', '')]
+        ok = all(name in ATTN_LAYOUTS and (not star or n.isdigit() and int(n) > 0) for name, star, n in parts)
+        return [name for name, _, n in parts for _ in range(int(n or 1))] if ok else []
+
+    @property
+    def layouts(self):
+        """Each layer's layout: the pattern repeated over n_layer (Qwen3-Next's 3:1 on 6 layers: 3 linear, 1 softmax, 2)."""
+        p = self.pattern()
+        return [p[i % len(p)] for i in range(self.n_layer)]
+
+    @property
+    def softmax(self):  # the softmax layout of the stack, or None if every layer is linear
+        return next((a for a in self.pattern() if a in SOFTMAX), None)
+
     @property
     def head_dim(self):
         return self.n_embd // self.n_head
 
+    def layer_cache_elements(self, layout, T):
+        """Elements one layer's cache holds after T tokens (batch 1)."""
+        hd = self.head_dim
+        if layout in LINEAR_RULES:  # a state (d_k, d_v) per head whatever T; Katharopoulos adds its normalizer z
+            return self.n_head * hd * (hd + (layout == 'linear'))
+        return (self.kv_lora_rank + self.rope_head_dim) * T if layout == 'mla' else 2 * self.n_kv_head * hd * T
+
     def cache_elements(self, T):
         """Elements a cache holds after T tokens (batch 1, all layers): the table of the README."""
-        per_layer = {'mla': (self.kv_lora_rank + self.rope_head_dim) * T,          # latent + shared rope key
-                     'linear': self.n_head * self.head_dim * (self.head_dim + 1)}  # S and z, whatever T
-        return self.n_layer * per_layer.get(self.attn, 2 * self.n_kv_head * self.head_dim * T)
+        return sum(self.layer_cache_elements(a, T) for a in self.layouts)
 
-    def cache_bytes(self, T, dtype=torch.float32):  # linear attention keeps its state in float32 at least
-        linear = self.attn == 'linear'
-        return self.cache_elements(T) * (torch.promote_types(dtype, torch.float32) if linear else dtype).itemsize
+    def cache_bytes(self, T, dtype=torch.float32):  # linear layouts keep their state in float32 at least
+        state = torch.promote_types(dtype, torch.float32).itemsize
+        return sum(self.layer_cache_elements(a, T) * (state if a in LINEAR_RULES else dtype.itemsize)
+                   for a in self.layouts)
 
 # --- What the layouts share: RoPE, the causal attention call, the caches -----------------------------------
 
@@ -153,7 +192,7 @@ class Cache:
         return sum((b[:, :, :n] if l.grows else b).numel() * b.element_size() for l in self.layers for b in l.bufs)
 
     def reset(self):
-        """Empty again, buffers kept; only linear attention's state is zeroed (K/V past pos: sliced off or masked)."""
+        """Empty again, buffers kept; only a linear layout's state is zeroed (K/V past pos: sliced off or masked)."""
         self.pos = self.pos.zero_() if torch.is_tensor(self.pos) else 0
         for b in (b for layer in self.layers if not layer.grows for b in layer.bufs):
             b.zero_()
@@ -203,48 +242,101 @@ def phi(x):
     x = x.to(torch.promote_types(x.dtype, torch.float32))
     return torch.where(x >= 0, x + 1, torch.exp(x.clamp(max=0)))
 
-def linear_recurrent(q, k, v, state, eps=1e-6):
-    """One RNN step (decode): S_t = S_{t-1} + k_t v_tᵀ, z_t = z_{t-1} + k_t, o_t = q_tᵀ S_t / (q_tᵀ z_t)."""
-    S = state[0] + k.transpose(-2, -1) * v  # (B, nh, hs, hs): q, k, v are (B, nh, 1, hs)
-    z = state[1] + k.squeeze(2)             # (B, nh, hs)
-    return q @ S / ((q * z.unsqueeze(2)).sum(-1, keepdim=True) + eps), (S, z)  # (B, nh, 1, hs)
+# The update, written once. The state is stored transposed, S (B, nh, d_k, d_v) = Σ k vᵀ, so that o = q S on row vectors.
+# g = log α_t and beta = β_t are (B, nh, L); delta=False writes v_t with weight 1 and erases nothing.
 
-def linear_chunked(q, k, v, chunk_size, state, eps=1e-6):
-    """Training, prefill: the parallel form A = tril(phi(Q) phi(K)ᵀ), O = (A V) / (A 1) inside each chunk, the
-    recurrent state between chunks. chunk_size 1 is the recurrent form, chunk_size >= T the parallel one."""
-    B, H, T, D = q.shape
-    C, N = chunk_size, -(-T // chunk_size)  # N chunks of C steps, the last one padded
-    pad = lambda x: F.pad(x, (0, 0, 0, N * C - T)).view(B, H, N, C, x.size(-1))  # zero keys add nothing
-    q, k, v = pad(q), pad(k), pad(v)                                            # (B, nh, N, C, hs)
-    kv, ksum = k.transpose(-2, -1) @ v, k.sum(3)                                 # (B, nh, N, hs, hs), (B, nh, N, hs)
-    # state entering each chunk: an exclusive cumsum (shift, then sum: later chunks never touch it)
-    S = torch.cat([state[0].unsqueeze(2), kv[:, :, :-1]], dim=2).cumsum(2)
-    z = torch.cat([state[1].unsqueeze(2), ksum[:, :, :-1]], dim=2).cumsum(2)
-    A = (q @ k.transpose(-2, -1)).tril()                                        # (B, nh, N, C, C)
-    num = q @ S + A @ v
-    den = (q @ z.unsqueeze(-1)).squeeze(-1) + A.sum(-1)
-    out = (num / (den.unsqueeze(-1) + eps)).view(B, H, N * C, v.size(-1))[:, :, :T]
-    return out, (S[:, :, -1] + kv[:, :, -1], z[:, :, -1] + ksum[:, :, -1])
+def linear_step(q, k, v, g, beta, S, delta):
+    """One token (decode), q, k (B, nh, 1, d_k), v (B, nh, 1, d_v): S <- α S (I - β k kᵀ) + β v kᵀ, o = q S."""
+    S = S * g.exp()[..., None]                 # forget: α_t S_{t-1}
+    if delta:                                  # correct: write the error of the memory on k_t, at rate β_t
+        v = beta[..., None] * (v - k @ S)
+    S = S + k.transpose(-2, -1) @ v            # write: S_t = α_t S_{t-1} (I - β_t k_t k_tᵀ) + β_t k_t v_tᵀ
+    return q @ S, S
 
-class LinearAttention(CausalSelfAttention):
-    """CausalSelfAttention's projections (n_head K/V heads), phi(x) = elu(x) + 1, no softmax: an RNN caching a fixed
-    float32 state per head, S = sum phi(k) vᵀ, z = sum phi(k). No RoPE: it would break the positive denominator."""
+def linear_chunked(q, k, v, g, beta, S, delta, chunk_size):
+    """Training, prefill: the same update over chunks of C tokens, matrix products inside a chunk and the state
+    between chunks. Inside chunk n, with G_i = Σ_{j<=i} g_j (log of the decay since the chunk began) and u_i what
+    token i writes (v_i, or for the delta rule the corrected β_i (v_i - S_{i-1} k_i)):
+        o_i = e^{G_i} q_i S_0 + Σ_{j<=i} e^{G_i - G_j} (q_i · k_j) u_j,   S_C = e^{G_C} S_0 + Σ_j e^{G_C - G_j} k_j u_jᵀ.
+    The delta rule's u solve one unit-lower-triangular system per chunk (the WY / UT form, Yang et al. 2024):
+        (I + A) U = diag(β) V - diag(β e^G) K S_0,   A_ij = β_i e^{G_i - G_j} (k_i · k_j) for j < i."""
+    B, H, T, _ = q.shape
+    C, N = chunk_size, -(-T // chunk_size)  # N chunks of C steps, the last one padded: zero keys write nothing
+    q, k, v = (F.pad(x, (0, 0, 0, N * C - T)).unflatten(2, (N, C)) for x in (q, k, v))  # (B, nh, N, C, d)
+    G, beta = (F.pad(x, (0, N * C - T)).unflatten(2, (N, C)) for x in (g, beta))       # (B, nh, N, C)
+    G = G.cumsum(-1)
+    causal = torch.ones(C, C, dtype=torch.bool, device=q.device).tril()
+    decay = (G[..., :, None] - G[..., None, :]).masked_fill(~causal, -math.inf).exp()  # mask, then exp: no inf * 0
+    if delta:
+        A = (k @ k.transpose(-2, -1) * decay).tril(-1) * beta[..., None]             # (B, nh, N, C, C)
+        solve = lambda rhs: torch.linalg.solve_triangular(A, rhs, upper=False, unitriangular=True)  # (I + A)⁻¹ rhs
+        U, W = solve(beta[..., None] * v), solve((beta * G.exp())[..., None] * k)    # U - W S_0: the writes
+    scores = q @ k.transpose(-2, -1) * decay                                         # (B, nh, N, C, C)
+    out = []
+    for n in range(N):  # the state carried across chunks
+        u = U[:, :, n] - W[:, :, n] @ S if delta else v[:, :, n]                     # (B, nh, C, d_v)
+        out.append(G[:, :, n, :, None].exp() * (q[:, :, n] @ S) + scores[:, :, n] @ u)
+        S = G[:, :, n, -1, None, None].exp() * S + (
+            (G[:, :, n, -1:] - G[:, :, n]).exp()[..., None] * k[:, :, n]).transpose(-2, -1) @ u
+    return torch.stack(out, 2).flatten(2, 3)[:, :, :T], S
 
-    def mix(self, q, k, v, pos, cache):
-        # phi(q), phi(k), v, the state and the division in float32 at least: in fp16 the denominator would overflow
-        fq, fk, fv = phi(q), phi(k), v.to(torch.promote_types(v.dtype, torch.float32))
-        state = (self.init_cache(q.size(0), 0, fv.dtype, q.device) if cache is None else cache).bufs  # [S, z]
-        with torch.autocast(q.device.type, enabled=False):  # decode: the recurrent form; else chunkwise-parallel
-            y, new_state = (linear_recurrent(fq, fk, fv, state) if q.size(2) == 1 else
-                            linear_chunked(fq, fk, fv, self.config.chunk_size, state))
+class LinearAttention(Attention):
+    """The linear layouts (LINEAR_RULES): n_head heads of q, k, v, no softmax and no RoPE; a fixed float32 state
+    per head, S = Σ (decayed, corrected) k vᵀ (d_k, d_v), is the whole cache. Katharopoulos ('linear'): phi = elu + 1
+    and a normalizer z = Σ phi(k), kept as S's last column (v gets a channel of ones). The others, as Gated
+    DeltaNet: q, k = L2norm(SiLU(.)), q scaled by 1/sqrt(d_k), the output RMS-normed per head and SiLU-gated."""
+
+    def __init__(self, config, layout):
+        super().__init__(config)
+        (self.forget, self.delta), self.normalizer = LINEAR_RULES[layout], layout == 'linear'
+        C, H = config.n_embd, self.n_head
+        self.c_attn = nn.Linear(C, 3 * C, bias=config.bias)
+        if self.forget == 'gate':  # Mamba-2's init: A ~ U[1, 16], softplus(dt_bias) = dt ~ logU[1e-3, 0.1]
+            self.a_proj = nn.Linear(C, H, bias=False)
+            self.A_log = nn.Parameter(torch.empty(H).uniform_(1, 16).log())
+            dt = torch.empty(H).uniform_(math.log(1e-3), math.log(0.1)).exp()
+            self.dt_bias = nn.Parameter(dt + torch.log(-torch.expm1(-dt)))  # the inverse of softplus
+        if self.delta:
+            self.b_proj = nn.Linear(C, H, bias=config.bias)
+        if not self.normalizer:
+            self.g_proj = nn.Linear(C, C, bias=config.bias)  # the output gate
+            self.o_norm = nn.RMSNorm(self.head_dim, eps=1e-6)
+        self.c_proj = nn.Linear(C, C, bias=config.bias)
+
+    def forward(self, x, rope, pos, cache=None):
+        B, L, H = x.size(0), x.size(1), self.n_head
+        f32 = torch.promote_types(x.dtype, torch.float32)  # the state, gates and solves: float32 at least
+        q, k, v = self.heads(self.c_attn(x), 3 * H).to(f32).split(H, dim=1)           # (B, nh, L, hs) each
+        if self.normalizer:
+            q, k, v = phi(q), phi(k), F.pad(v, (0, 1), value=1.0)  # v's last channel of ones sums z = Σ phi(k)
+        else:
+            q, k = (F.normalize(F.silu(t), dim=-1) for t in (q, k))
+            q = q * self.head_dim ** -0.5
+        g, beta = self.knob(x, f32)                                                  # (B, nh, L) each
+        S = cache.bufs[0] if cache is not None else self.init_cache(B, 0, f32, x.device).bufs[0]
+        with torch.autocast(x.device.type, enabled=False):  # decode: one step; else chunkwise-parallel
+            y, new_S = (linear_step(q, k, v, g, beta, S, self.delta) if L == 1 else
+                        linear_chunked(q, k, v, g, beta, S, self.delta, self.config.chunk_size))
         if cache is not None:
-            for buf, new in zip(state, new_state):
-                buf.copy_(new)  # in place: the state keeps its address (CUDA graphs)
-        return y.type_as(v)
+            S.copy_(new_S)  # in place: the state keeps its address (CUDA graphs)
+        if self.normalizer:
+            return self.out((y[..., :-1] / (y[..., -1:] + 1e-6)).type_as(x))
+        return self.out(self.o_norm(y.type_as(x)) * F.silu(self.heads(self.g_proj(x), H)))
+
+    def knob(self, x, dtype):
+        """g = log α and β, (B, nh, L): what the rule forgets and how strongly it corrects."""
+        B, L, H = x.size(0), x.size(1), self.n_head
+        g = torch.zeros(B, H, L, dtype=dtype, device=x.device)
+        if self.forget == 'decay':  # RetNet's γ_h = 1 - 2^(-5-h)
+            g = g + torch.log1p(-2.0 ** (-5.0 - torch.arange(H, dtype=dtype, device=x.device)))[:, None]
+        if self.forget == 'gate':
+            g = -self.A_log.to(dtype).exp()[:, None] * F.softplus(self.a_proj(x).to(dtype) + self.dt_bias).transpose(1, 2)
+        beta = torch.sigmoid(self.b_proj(x).to(dtype)).transpose(1, 2) if self.delta else torch.ones_like(g)
+        return g, beta
 
     def init_cache(self, batch_size, capacity, dtype, device):
-        S = (batch_size, self.n_head, self.head_dim, self.head_dim)  # S (B, nh, hs, hs); z (B, nh, hs): S[:-1]
-        return LayerCache([S, S[:-1]], torch.promote_types(dtype, torch.float32), device, grows=False)
+        S = (batch_size, self.n_head, self.head_dim, self.head_dim + self.normalizer)  # + z for Katharopoulos
+        return LayerCache([S], torch.promote_types(dtype, torch.float32), device, grows=False)
 
 class MultiHeadLatentAttention(Attention):
     """DeepSeek-V2 MLA. K and V come from a small latent c = norm(W_DKV h), shared by all heads;
@@ -291,8 +383,10 @@ class MultiHeadLatentAttention(Attention):
     def init_cache(self, batch_size, capacity, dtype, device):
         return LayerCache([(batch_size, 1, capacity, self.dc + self.dR)], dtype, device)
 
-ATTENTION = {'mha': CausalSelfAttention, 'gqa': CausalSelfAttention, 'mqa': CausalSelfAttention,
-             'mla': MultiHeadLatentAttention, 'linear': LinearAttention}
+def make_attention(config, layout):
+    if layout in LINEAR_RULES:
+        return LinearAttention(config, layout)
+    return MultiHeadLatentAttention(config) if layout == 'mla' else CausalSelfAttention(config)
 
 # --- The Transformer: nanoGPT's MLP, Block and GPT ----------------------------------------------------------
 
@@ -301,8 +395,9 @@ def mlp_hidden(config):
     if not config.match_mha_params:
         return 4 * config.n_embd
     with torch.device('meta'):  # counted, nothing allocated; MHA's weights, without RoPE's rule of an even head_dim
-        count = lambda cfg: sum(p.numel() for p in ATTENTION[cfg.attn](cfg).parameters())
-        extra = count(replace(config, attn='mha', n_kv_head=0, pos_emb='learned', match_mha_params=False)) - count(config)
+        count = lambda cfg, a: sum(p.numel() for p in make_attention(cfg, a).parameters())
+        mha = replace(config, attn='mha', n_kv_head=0, pos_emb='learned', match_mha_params=False)
+        extra = sum(count(mha, 'mha') - count(config, a) for a in config.layouts) / config.n_layer  # per layer
     return 4 * config.n_embd + round(extra / (2 * config.n_embd + config.bias))  # c_fc row + c_proj column
 
 class MLP(nn.Module):
@@ -320,10 +415,10 @@ class MLP(nn.Module):
 
 class Block(nn.Module):
 
-    def __init__(self, config):
+    def __init__(self, config, layout):
         super().__init__()
         self.ln_1 = nn.LayerNorm(config.n_embd, bias=config.bias)
-        self.attn = ATTENTION[config.attn](config)
+        self.attn = make_attention(config, layout)
         self.ln_2 = nn.LayerNorm(config.n_embd, bias=config.bias)
         self.mlp = MLP(config)
 
@@ -340,13 +435,13 @@ class GPT(nn.Module):
         self.transformer = nn.ModuleDict(dict(
             wte=nn.Embedding(config.vocab_size, config.n_embd),
             drop=nn.Dropout(config.dropout),
-            h=nn.ModuleList([Block(config) for _ in range(config.n_layer)]),
+            h=nn.ModuleList([Block(config, layout) for layout in config.layouts]),
             ln_f=nn.LayerNorm(config.n_embd, bias=config.bias),
         ))
         if config.pos_emb == 'learned':
             self.transformer.wpe = nn.Embedding(config.block_size, config.n_embd)
-        uses_rope = config.pos_emb == 'rope' and config.attn != 'linear'  # linear attention: no RoPE
-        self.rope_dim = (config.rope_head_dim if config.attn == 'mla' else config.head_dim) if uses_rope else 0
+        uses_rope = config.pos_emb == 'rope' and config.softmax  # the linear layouts: no RoPE
+        self.rope_dim = (config.rope_head_dim if config.softmax == 'mla' else config.head_dim) if uses_rope else 0
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
         self.transformer.wte.weight = self.lm_head.weight  # weight tying
         self.apply(self._init_weights)

@@ -71,6 +71,8 @@ class GPTConfig:
             self.bad('n_kv_head' if allowed else 'n_head', f"attn={self.attn!r} with n_head={h} allows {allowed} ({rule})")
         self.kv_lora_rank = self.kv_lora_rank or 4 * self.head_dim  # 0 = the paper's ratios to head_dim
         self.rope_head_dim = self.rope_head_dim or max(2, self.head_dim // 4 * 2)
+        if self.q_lora_rank and softmax != 'mla':
+            self.bad('q_lora_rank', f"is only for attn='mla' (MLA's query compression); attn={self.attn!r}")
         if softmax == 'mla' and self.rope_head_dim % 2:
             self.bad('rope_head_dim', "must be even for attn='mla' (RoPE rotates pairs)")
         if self.pos_emb == 'rope' and softmax in ('mha', 'gqa', 'mqa') and self.head_dim % 2:
@@ -396,7 +398,7 @@ def mlp_hidden(config):
         return 4 * config.n_embd
     with torch.device('meta'):  # counted, nothing allocated; MHA's weights, without RoPE's rule of an even head_dim
         count = lambda cfg, a: sum(p.numel() for p in make_attention(cfg, a).parameters())
-        mha = replace(config, attn='mha', n_kv_head=0, pos_emb='learned', match_mha_params=False)
+        mha = replace(config, attn='mha', n_kv_head=0, q_lora_rank=0, pos_emb='learned', match_mha_params=False)
         extra = sum(count(mha, 'mha') - count(config, a) for a in config.layouts) / config.n_layer  # per layer
     return 4 * config.n_embd + round(extra / (2 * config.n_embd + config.bias))  # c_fc row + c_proj column
 

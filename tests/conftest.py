@@ -7,7 +7,7 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from model import GPT, GPTConfig, ATTN_LAYOUTS  # noqa: E402
+from model import GPT, GPTConfig, ATTN_LAYOUTS, LINEAR_RULES  # noqa: E402
 
 if os.environ.get('PYTEST_XDIST_WORKER'):  # pytest -n 2 on 2 cores: one thread per worker and per subprocess,
     os.environ['OMP_NUM_THREADS'] = '1'    # else OpenMP threads oversubscribe the cores and spin (5-30x slower)
@@ -43,7 +43,16 @@ def tol(dtype):
     return dict(atol=1e-10, rtol=0) if dtype == torch.float64 else dict(atol=1e-4, rtol=0)
 
 
-@pytest.fixture(params=ATTN_LAYOUTS)
+HYBRIDS = ('gated_deltanet+gqa', 'deltanet+mla')  # per layer: TINY's 2 layers, one linear and one softmax
+EVERY = (*ATTN_LAYOUTS, *HYBRIDS)
+
+
+def is_linear(attn):
+    """Every layer a fixed-size state, no K/V cache."""
+    return all(a in LINEAR_RULES for a in attn.split('+'))
+
+
+@pytest.fixture(params=EVERY)
 def attn(request):
     return request.param
 

@@ -2,6 +2,7 @@
 
     python tests/mutants.py          # every mutant against the model-level tests (no train.py runs; minutes)
     python tests/mutants.py --all    # ... and each survivor against the whole suite
+    python tests/mutants.py delta    # only the mutants whose name contains 'delta'
 
 Each mutant replaces one exact fragment of model.py in a copy of the repo (never the working tree). A
 fragment that no longer matches model.py stops the run: a stale list must not pass for a caught bug.
@@ -45,12 +46,25 @@ MUTANTS = [  # (what the bug is, the fragment, its replacement)
      "torch.einsum('bhlc,hdc->bhld', y, self.k_up.weight"),
     ("MLA: decode value includes k_R", "self.scale, dropout_p, mask)[..., :dc]", "self.scale, dropout_p, mask)[..., -dc:]"),
     ("linear: phi = elu(x) + 2 below 0", "torch.exp(x.clamp(max=0)))", "torch.exp(x.clamp(max=0)) + 1)"),
-    ("linear: a chunk's quadratic part excludes step t", "A = (q @ k.transpose(-2, -1)).tril()  ",
-     "A = (q @ k.transpose(-2, -1)).tril(-1)  "),
-    ("linear: chunk state not exclusive", "S = torch.cat([state[0].unsqueeze(2), kv[:, :, :-1]], dim=2).cumsum(2)",
-     "S = torch.cat([state[0].unsqueeze(2), kv[:, :, 1:]], dim=2).cumsum(2)"),
-    ("linear: recurrent denominator + 1", "(q * z.unsqueeze(2)).sum(-1, keepdim=True) + eps)",
-     "(q * z.unsqueeze(2)).sum(-1, keepdim=True) + 1.0)"),
+    ("linear: a chunk's quadratic part excludes step t", "causal = torch.ones(C, C, dtype=torch.bool, device=q.device).tril()",
+     "causal = torch.ones(C, C, dtype=torch.bool, device=q.device).tril(-1)"),
+    ("linear: chunk state not decayed", "S = G[:, :, n, -1, None, None].exp() * S + (", "S = S + ("),
+    ("linear: denominator + 1", "(y[..., -1:] + 1e-6)", "(y[..., -1:] + 1.0)"),
+    ("linear: state bytes at 16 bits counted at 16 bits", "state = torch.promote_types(dtype, torch.float32).itemsize",
+     "state = dtype.itemsize"),
+    ("linear: normalizer z not counted", "hd * (hd + (layout == 'linear'))", "hd * hd"),
+    ("linear family: decode step forgets nothing", "S = S * g.exp()[..., None]", "S = S * 1.0"),
+    ("linear family: no causal mask inside a chunk", ".masked_fill(~causal, -math.inf).exp()", ".exp()"),
+    ("delta rule: the solve includes the diagonal", "* decay).tril(-1) * beta[..., None]", "* decay).tril() * beta[..., None]"),
+    ("delta rule: S_0's correction dropped", "u = U[:, :, n] - W[:, :, n] @ S if delta", "u = U[:, :, n] if delta"),
+    ("delta rules: no 1/sqrt(d_k) on q", "q = q * self.head_dim ** -0.5", "q = q * 1.0"),
+    ("retnet: gamma_h = 1 - 2^(-5+h)", "2.0 ** (-5.0 - torch.arange(H", "2.0 ** (-5.0 + torch.arange(H"),
+    ("mamba2: A ~ U[0, 16]", "torch.empty(H).uniform_(1, 16).log()", "torch.empty(H).uniform_(0, 16).log()"),
+    ("mamba2: dt_bias = dt (no inverse softplus)", "dt + torch.log(-torch.expm1(-dt))", "dt"),
+    ("hybrid: pattern shifted by one layer", "return [p[i % len(p)] for i", "return [p[(i + 1) % len(p)] for i"),
+    ("MLA: query bottleneck of width d_c", "r = config.q_lora_rank  #", "r = config.q_lora_rank and config.kv_lora_rank  #"),
+    ("dropout on in eval (MLA)", "dropout_p = self.dropout if self.training else 0.0", "dropout_p = self.dropout"),
+    ("learned positions keep N(0, 1)", "if isinstance(module, (nn.Linear, nn.Embedding)):", "if isinstance(module, nn.Linear):"),
     ("window: slide keeps the last token only", "start = idx.size(1) - max(1, block_size // 2)",
      "start = idx.size(1) - 1"),
     ("sample: top-k keeps ties below the k-th", "logits < v[:, [-1]]", "logits < v[:, [0]]"),
@@ -78,6 +92,8 @@ def main():
         if failed:
             sys.exit(f"error: the tests fail on the unmutated model.py: {summary}")
         for name, old, new in MUTANTS:
+            if any(not a.startswith('-') and a not in name for a in sys.argv[1:]):
+                continue
             if source.count(old) != 1:
                 sys.exit(f"error: mutant {name!r}: its fragment occurs {source.count(old)} times in model.py")
             with open(os.path.join(tree, 'model.py'), 'w') as f:
@@ -87,7 +103,7 @@ def main():
                 failed, summary = run(['tests'], tree)
             caught += failed
             print(f"{'caught  ' if failed else 'SURVIVED'} {name}: {summary}", flush=True)
-    print(f"{caught} of {len(MUTANTS)} mutants caught")
+    print(f"{caught} mutants caught")
 
 
 if __name__ == '__main__':

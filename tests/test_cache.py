@@ -2,13 +2,15 @@
 import pytest
 import torch
 
-from conftest import make_model, full_logits, tol
-from model import ATTN_LAYOUTS
+from model import LINEAR_RULES
+from conftest import EVERY, is_linear, make_model, full_logits, tol
 
-VARIANTS = [dict(attn=a) for a in ATTN_LAYOUTS] + [
+VARIANTS = [dict(attn=a) for a in EVERY] + [
     dict(attn='mha', pos_emb='learned'), dict(attn='gqa', pos_emb='learned'),
     dict(attn='mla', pos_emb='learned'), dict(attn='mla', q_lora_rank=12),
     dict(attn='linear', pos_emb='learned'), dict(attn='linear', chunk_size=5),
+    dict(attn='gated_deltanet', chunk_size=5), dict(attn='retnet', chunk_size=3, bias=True),
+    dict(attn='mamba2+mqa', pos_emb='learned', chunk_size=7),
     dict(attn='mha', bias=True), dict(attn='mla', bias=True),
     dict(attn='mla', n_embd=36, kv_lora_rank=15, rope_head_dim=6)]  # odd head_dim and d_c: odd offsets for RoPE
 IDS = ['-'.join(f'{k}={v}' for k, v in d.items()) for d in VARIANTS]
@@ -51,9 +53,9 @@ def test_eager_cache_attends_to_t_keys_static_to_capacity(attn, monkeypatch):
         cache = model.init_cache(1, static=static)
         for t in range(8):
             model(idx[:, t:t + 1], cache=cache)
-        if attn != 'linear':  # (no attend: a fixed-size state either way)
-            per_layer = [32] * 8 if static else list(range(1, 9))
-            assert seen == [s for s in per_layer for _ in range(model.config.n_layer)]
+        softmax_layers = sum(a not in LINEAR_RULES for a in model.config.layouts)  # linear layers: a state, no attend
+        per_layer = [32] * 8 if static else list(range(1, 9))
+        assert seen == [s for s in per_layer for _ in range(softmax_layers)]
 
 
 def test_last_position_shortcut_and_block_size_limit(attn):
@@ -97,9 +99,8 @@ def test_cache_buffers_are_preallocated_not_resized(attn):
     model = make_model(attn)
     cache = model.init_cache(2)
     bufs = lambda: [t for layer in cache.layers for t in layer.bufs]
-    ptrs = [t.data_ptr() for t in bufs()] if attn != 'linear' else None
+    ptrs, shapes = [t.data_ptr() for t in bufs()], [t.shape for t in bufs()]
     for _ in range(5):
         model(torch.randint(0, 40, (2, 3)), cache=cache)
-    if ptrs is not None:
-        assert [t.data_ptr() for t in bufs()] == ptrs
-        assert all(t.size(2) == model.config.block_size for t in bufs())
+    assert [t.data_ptr() for t in bufs()] == ptrs and [t.shape for t in bufs()] == shapes  # a state too: in place
+    assert all(t.size(2) == model.config.block_size for layer in cache.layers if layer.grows for t in layer.bufs)

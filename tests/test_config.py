@@ -4,7 +4,16 @@ import pytest
 from model import GPTConfig
 
 BAD = [
-    (dict(attn='flash'), r"attn.*one of \('mha', 'gqa', 'mqa', 'mla', 'linear'\)"),
+    (dict(attn='flash'), r"attn.*one of \('mha', 'gqa', 'mqa', 'mla', 'linear', 'retnet', 'mamba2', 'deltanet', "
+                         r"'gated_deltanet'\), or a hybrid"),
+    (dict(attn='delta'), r"attn='delta' is invalid"),                       # an unknown rule
+    (dict(attn='gated_deltanet*3+gqa', n_layer=3), r"attn.*has 4 layers, more than n_layer=3"),  # does not fit
+    (dict(attn='deltanet*0+gqa'), r"attn.*hybrid"), (dict(attn='deltanet*x+gqa'), r"attn.*hybrid"),
+    (dict(attn='deltanet+'), r"attn.*hybrid"), (dict(attn=3), r"attn=3 is invalid"),
+    (dict(attn='deltanet+gqa+mla'), r"mixes softmax layouts"),
+    (dict(attn='mamba2+gqa', n_kv_head=4), r"n_kv_head.*n_head=6 allows \[2, 3\]"),  # the hybrid's GQA rule
+    (dict(attn='deltanet', n_kv_head=2), r"n_kv_head.*allows \[6\] \(or 0, its default\)$"),  # a field it does not use
+    (dict(attn='retnet', q_lora_rank=8), r"q_lora_rank.*only for attn='mla'"),
     (dict(pos_emb='alibi'), r"pos_emb.*one of \('rope', 'learned'\)"),
     (dict(n_embd=100, n_head=6), r"n_embd.*divisible by n_head"),
     (dict(attn='gqa', n_kv_head=4), r"n_kv_head.*n_head=6 allows \[2, 3\].*divisor"),
@@ -54,3 +63,16 @@ def test_mla_sizes_default_to_the_papers_ratios():
         cfg = GPTConfig(attn='mla', n_head=n_head, n_embd=n_embd, n_layer=2, match_mha_params=True)
         assert (cfg.kv_lora_rank, cfg.rope_head_dim) == (4 * n_embd // n_head, n_embd // n_head // 2)
     assert GPTConfig(attn='mla', kv_lora_rank=96, rope_head_dim=8).kv_lora_rank == 96
+
+
+def test_hybrid_pattern_repeats_over_the_layers():
+    """'gated_deltanet*3+gqa' on 6 layers: 3 Gated DeltaNet, 1 GQA, then the pattern again from its start (Qwen3-Next's
+    full_attention_interval); each block is built with its layer's layout."""
+    from model import GPT, CausalSelfAttention, LinearAttention
+    cfg = GPTConfig(attn='gated_deltanet*3+gqa', n_layer=6, n_head=4, n_embd=32)
+    assert cfg.layouts == ['gated_deltanet'] * 3 + ['gqa'] + ['gated_deltanet'] * 2
+    assert cfg.softmax == 'gqa' and cfg.n_kv_head == 2
+    kinds = [type(b.attn) for b in GPT(cfg).transformer.h]
+    assert kinds == [LinearAttention] * 3 + [CausalSelfAttention] + [LinearAttention] * 2
+    assert GPTConfig(attn='mla+retnet', n_layer=3).layouts == ['mla', 'retnet', 'mla']
+    assert GPTConfig(attn='deltanet', n_layer=3).softmax is None

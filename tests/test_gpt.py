@@ -44,3 +44,30 @@ def test_match_mha_params(attn, sizes):
     assert abs(matched - mha) / mha < 0.005
     if attn in ('gqa', 'mqa'):  # fewer K/V heads, fewer parameters: the MLP must have grown to match
         assert count(attn=attn) < 0.95 * mha
+
+
+def test_learned_positions_get_gpt2_init():
+    """wpe ~ N(0, 0.02) like every embedding (nn.Embedding's own default is N(0, 1), which would swamp the tokens);
+    tied wte is lm_head's N(0, 0.02)."""
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(**{**TINY, 'pos_emb': 'learned', 'block_size': 256, 'n_embd': 64}))
+    wpe = model.transformer.wpe.weight
+    assert wpe.shape == (256, 64)
+    assert abs(wpe.std().item() - 0.02) < 0.001 and abs(wpe.mean().item()) < 0.001
+    assert 'wpe' not in dict(GPT(GPTConfig(**TINY)).transformer.named_children())  # RoPE: no learned table
+
+
+def test_dropout_is_off_in_eval(attn):
+    """A model with dropout > 0 in eval() computes exactly what the same weights with dropout 0 compute, with and
+    without the cache; in train() it does not (the check can fail)."""
+    torch.manual_seed(0)
+    idx = torch.randint(0, 40, (2, 20))
+    drop = GPT(GPTConfig(**{**TINY, 'attn': attn, 'dropout': 0.5})).double().eval()
+    plain = GPT(GPTConfig(**{**TINY, 'attn': attn})).double().eval()
+    plain.load_state_dict(drop.state_dict())
+    want = plain(idx, idx)[0]
+    assert torch.equal(drop(idx, idx)[0], want)
+    cache = drop.init_cache(2)
+    torch.testing.assert_close(torch.cat([drop(idx[:, :7], cache=cache)[0], drop(idx[:, 7:], cache=cache)[0]], 1),
+                               want, atol=1e-12, rtol=0)
+    assert not torch.equal(drop.train()(idx, idx)[0], want)

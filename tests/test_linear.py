@@ -1,120 +1,173 @@
-"""Linear attention: parallel == chunked (any chunk size) == recurrent; the final state is
-phi(K)ᵀV and sum phi(K); gradients agree; the state stays float32 under 16-bit inputs."""
+"""The linear layouts' one update in its two forms: chunkwise-parallel (any chunk size, from any state) == the
+one-token recurrence, outputs, states and gradients; the knob (α, β) each rule computes, its shapes and its
+initialisation; the state stays float32 under 16-bit inputs."""
+import math
+
 import pytest
 import torch
+import torch.nn.functional as F
 
 from conftest import make_model
-from model import phi, linear_chunked, linear_recurrent
+from model import GPT, GPTConfig, LINEAR_RULES, linear_chunked, linear_step, phi
 
-B, H, T, D = 2, 3, 100, 8
-
-
-def linear_parallel(q, k, v, eps=1e-6):
-    """The reference, quadratic form (Katharopoulos et al. eq. 6): O = (A V) / (A 1), A = tril(phi(Q) phi(K)ᵀ)."""
-    A = (q @ k.transpose(-2, -1)).tril()  # (B, nh, T, T), diagonal included
-    return (A @ v) / (A.sum(-1, keepdim=True) + eps)
+B, H, T, D = 2, 3, 50, 8
 
 
-def qkv(dtype=torch.float64, seed=0):
+def inputs(dtype=torch.float64, seed=0, forget=True, delta=True):
+    """q, k unit rows (as the delta rules see them), v, g = log α <= 0 (or 0), β in (0, 1) (or 1), a random state."""
     g = torch.Generator().manual_seed(seed)
-    q, k, v = (torch.randn(B, H, T, D, generator=g, dtype=dtype) for _ in range(3))
-    return phi(q), phi(k), v
+    q, k = (F.normalize(torch.randn(B, H, T, D, generator=g, dtype=dtype), dim=-1) for _ in range(2))
+    v = torch.randn(B, H, T, D + 1, generator=g, dtype=dtype)  # d_v != d_k: the orientation is checked
+    log_alpha = -torch.rand(B, H, T, generator=g, dtype=dtype) * 0.5 if forget else torch.zeros(B, H, T, dtype=dtype)
+    beta = torch.rand(B, H, T, generator=g, dtype=dtype) if delta else torch.ones(B, H, T, dtype=dtype)
+    S0 = torch.randn(B, H, D, D + 1, generator=g, dtype=dtype)
+    return q, k, v, log_alpha, beta, S0
 
 
-def zero_state(dtype=torch.float64):
-    return torch.zeros(B, H, D, D, dtype=dtype), torch.zeros(B, H, D, dtype=dtype)
+def recurrent(q, k, v, g, beta, S, delta):
+    out = []
+    for t in range(q.size(2)):  # the decode step, token by token
+        o, S = linear_step(q[:, :, t:t + 1], k[:, :, t:t + 1], v[:, :, t:t + 1], g[:, :, t:t + 1], beta[:, :, t:t + 1],
+                           S, delta)
+        out.append(o)
+    return torch.cat(out, 2), S
 
 
-def rel_err(a, b):
-    return ((a - b).norm() / b.norm()).item()
+RULES = [(f, d) for f in (False, True) for d in (False, True)]  # (forgets, corrects): the chapter's four corners
 
 
-@pytest.mark.parametrize('chunk', [1, 16, 64, T, 7, 128])  # 16 and 7 don't divide T; 128 > T
-def test_chunked_equals_parallel_and_recurrent(chunk):
-    q, k, v = qkv()
-    ref = linear_parallel(q, k, v)
-    out, (S, z) = linear_chunked(q, k, v, chunk, zero_state())
-    rec, (S_r, z_r) = [], zero_state()
-    for t in range(T):  # the RNN, one step at a time, as decode runs it
-        o, (S_r, z_r) = linear_recurrent(q[:, :, t:t + 1], k[:, :, t:t + 1], v[:, :, t:t + 1], (S_r, z_r))
-        rec.append(o)
-    rec = torch.cat(rec, dim=2)
-    assert rel_err(out, ref) < 1e-12 and rel_err(rec, ref) < 1e-12
-    torch.testing.assert_close(S, k.transpose(-2, -1) @ v, atol=1e-10, rtol=0)  # phi(K)ᵀ V
-    torch.testing.assert_close(z, k.sum(2), atol=1e-10, rtol=0)                 # sum phi(K)
-    torch.testing.assert_close(S_r, S, atol=1e-10, rtol=0)
-    torch.testing.assert_close(z_r, z, atol=1e-10, rtol=0)
+@pytest.mark.parametrize('forget,delta', RULES)
+@pytest.mark.parametrize('chunk', [1, 7, 16, T, 64])  # 7 and 16 don't divide T; 64 > T
+def test_chunked_equals_recurrent_from_any_state(forget, delta, chunk):
+    q, k, v, g, beta, S0 = inputs(forget=forget, delta=delta)
+    ref, S_ref = recurrent(q, k, v, g, beta, S0, delta)
+    out, S = linear_chunked(q, k, v, g, beta, S0, delta, chunk)
+    torch.testing.assert_close(out, ref, atol=1e-12, rtol=0)
+    torch.testing.assert_close(S, S_ref, atol=1e-12, rtol=0)
 
 
-def test_chunked_continues_from_a_state():
-    """Prefill in two pieces with the state carried == one piece: what the cache relies on."""
-    q, k, v = qkv()
-    whole, state = linear_chunked(q, k, v, 16, zero_state())
-    a, mid = linear_chunked(q[:, :, :37], k[:, :, :37], v[:, :, :37], 16, zero_state())
-    b, end = linear_chunked(q[:, :, 37:], k[:, :, 37:], v[:, :, 37:], 16, mid)
-    assert rel_err(torch.cat([a, b], 2), whole) < 1e-12
-    torch.testing.assert_close(end[0], state[0], atol=1e-10, rtol=0)
+@pytest.mark.parametrize('forget,delta', RULES)
+def test_chunked_continues_from_its_own_state(forget, delta):
+    """Prefill in two uneven pieces with the state carried == one piece: what the cache relies on."""
+    q, k, v, g, beta, S0 = inputs(seed=1, forget=forget, delta=delta)
+    whole, S = linear_chunked(q, k, v, g, beta, S0, delta, 16)
+    cut = lambda x, s: x[:, :, s]
+    a, mid = linear_chunked(*(cut(x, slice(0, 21)) for x in (q, k, v, g, beta)), S0, delta, 16)
+    b, end = linear_chunked(*(cut(x, slice(21, None)) for x in (q, k, v, g, beta)), mid, delta, 16)
+    torch.testing.assert_close(torch.cat([a, b], 2), whole, atol=1e-12, rtol=0)
+    torch.testing.assert_close(end, S, atol=1e-12, rtol=0)
 
 
-def test_sums_include_step_t_and_no_softmax():
-    """o_1 = v_1 exactly (the only key it sees is its own): the sums include step t."""
-    q, k, v = qkv()
-    out, _ = linear_chunked(q, k, v, 16, zero_state())
-    torch.testing.assert_close(out[:, :, 0], v[:, :, 0], atol=1e-5, rtol=0)  # eps = 1e-6 in the denominator
+def test_what_each_corner_writes():
+    """Independent of both forms: accumulate from zero ends at Σ k vᵀ; the delta rule with β = 1 and one key written
+    twice keeps only the second value (it overwrites); a decay α leaves α^T of the start state."""
+    q, k, v, g, beta, _ = inputs(seed=2)
+    zero = torch.zeros(B, H, D, D + 1, dtype=torch.float64)
+    _, S = linear_chunked(q, k, v, torch.zeros_like(g), beta, zero, False, 16)
+    torch.testing.assert_close(S, k.transpose(-2, -1) @ v, atol=1e-12, rtol=0)
+    kk, vv = k[:, :, :1].repeat(1, 1, 2, 1), v[:, :, :2]
+    _, S = linear_chunked(q[:, :, :2], kk, vv, torch.zeros(B, H, 2, dtype=torch.float64),
+                          torch.ones(B, H, 2, dtype=torch.float64), zero, True, 16)
+    torch.testing.assert_close(k[:, :, :1] @ S, v[:, :, 1:2], atol=1e-12, rtol=0)  # reads back the last value only
+    S0 = torch.randn(B, H, D, D + 1, dtype=torch.float64)
+    _, S = linear_chunked(q, k * 0, v, torch.full_like(g, math.log(0.9)), beta, S0, True, 16)
+    torch.testing.assert_close(S, 0.9 ** T * S0, atol=1e-12, rtol=0)
 
 
-@pytest.mark.parametrize('chunk', [1, 7, 64])
-def test_gradients_chunked_equal_parallel(chunk):
+@pytest.mark.parametrize('forget,delta', RULES)
+def test_gradients_of_the_chunked_form_equal_the_recurrence(forget, delta):
     grads = []
-    for form in ('parallel', 'chunked'):
-        q, k, v = (t.detach().requires_grad_() for t in qkv(seed=3))
-        out = linear_parallel(q, k, v) if form == 'parallel' else linear_chunked(q, k, v, chunk, zero_state())[0]
-        (out * torch.linspace(-1, 1, D, dtype=out.dtype)).sum().backward()
-        grads.append([q.grad, k.grad, v.grad])
+    for form in ('recurrent', 'chunked'):
+        xs = [t.detach().requires_grad_() for t in inputs(seed=3, forget=forget, delta=delta)]
+        q, k, v, g, beta, S0 = xs
+        out, S = recurrent(q, k, v, g, beta, S0, delta) if form == 'recurrent' else \
+            linear_chunked(q, k, v, g, beta, S0, delta, 7)
+        ((out * torch.linspace(-1, 1, D + 1, dtype=out.dtype)).sum() + S.sum()).backward()
+        grads.append([x.grad for x in xs])
     for a, b in zip(*grads):
-        assert rel_err(b, a) < 1e-11
+        torch.testing.assert_close(b, a, atol=1e-10, rtol=0)
 
 
-def test_phi_positive_in_bf16_and_float32_state():
+def test_gates_in_log_space_never_make_nan():
+    """A strong gate makes exp(G_i - G_j) overflow above the diagonal unless it is masked before the exp."""
+    q, k, v, g, beta, S0 = inputs(dtype=torch.float32, seed=4)
+    out, S = linear_chunked(q, k, v, g * 400, beta, S0, True, 50)  # G spans ~-5000: exp(+5000) = inf if not masked
+    assert torch.isfinite(out).all() and torch.isfinite(S).all()
+
+
+# --- each rule's knob: shapes, values, initialisation --------------------------------------------------------
+
+def layer(layout, **kw):
+    return GPT(GPTConfig(**{**dict(n_layer=1, n_head=4, n_embd=32, block_size=16, attn=layout), **kw})).transformer.h[0].attn
+
+
+@pytest.mark.parametrize('layout', list(LINEAR_RULES))
+def test_knob_shapes_and_values(layout):
+    torch.manual_seed(0)
+    attn = layer(layout)
+    x = torch.randn(3, 5, 32)
+    g, beta = attn.knob(x, torch.float32)
+    assert g.shape == beta.shape == (3, 4, 5)  # (B, nh, L): one α and one β per head and token
+    forget, delta = LINEAR_RULES[layout]
+    if forget is None:
+        assert torch.equal(g, torch.zeros_like(g))  # α = 1
+    if forget == 'decay':  # RetNet: γ_h = 1 - 2^(-5-h), the same at every token and in every row
+        torch.testing.assert_close(g.exp(), (1 - 2.0 ** -torch.arange(5.0, 9.0))[:, None].expand(3, 4, 5))
+    if forget == 'gate':
+        assert (g < 0).all() and g.std(dim=2).min() > 0  # α_t in (0, 1), changing with the token
+        ref = -attn.A_log.exp()[:, None] * F.softplus(x @ attn.a_proj.weight.T + attn.dt_bias).transpose(1, 2)
+        torch.testing.assert_close(g, ref)
+    if delta:
+        torch.testing.assert_close(beta, torch.sigmoid(attn.b_proj(x)).transpose(1, 2))
+    else:
+        assert torch.equal(beta, torch.ones_like(beta))
+
+
+@pytest.mark.parametrize('layout', list(LINEAR_RULES))
+def test_initialisation(layout):
+    """Mamba-2's: A = exp(A_log) ~ U[1, 16], softplus(dt_bias) = dt ~ logU[1e-3, 0.1], per head; GPT-2's 0.02 for the
+    gate projections; the output norm starts at 1; only the rules that use them have these parameters."""
+    torch.manual_seed(0)
+    attn = layer(layout, n_head=64, n_embd=256)
+    forget, delta = LINEAR_RULES[layout]
+    names = {n for n, _ in attn.named_parameters()}
+    assert ('A_log' in names) == ('dt_bias' in names) == ('a_proj.weight' in names) == (forget == 'gate')
+    assert ('b_proj.weight' in names) == delta
+    assert ('g_proj.weight' in names) == ('o_norm.weight' in names) == (layout != 'linear')
+    if forget == 'gate':
+        A, dt = attn.A_log.exp(), F.softplus(attn.dt_bias)
+        assert attn.A_log.shape == attn.dt_bias.shape == (64,)
+        assert 1 <= A.min() and A.max() <= 16 and A.max() - A.min() > 8       # spread over [1, 16]
+        assert 1e-3 * 0.999 <= dt.min() and dt.max() <= 0.1 * 1.001 and dt.max() / dt.min() > 10  # log-uniform
+        assert abs(attn.a_proj.weight.std().item() - 0.02) < 0.003
+    if delta:
+        assert attn.b_proj.weight.shape == (64, 256) and abs(attn.b_proj.weight.std().item() - 0.02) < 0.003
+    if layout != 'linear':
+        assert attn.g_proj.weight.shape == (256, 256) and abs(attn.g_proj.weight.std().item() - 0.02) < 0.002
+        assert torch.equal(attn.o_norm.weight, torch.ones(4))  # head_dim = 256 / 64
+
+
+# --- dtypes: the state, the gates and the solves in float32 at least ------------------------------------------
+
+def test_phi_positive_in_bf16():
     x = torch.tensor([-30.0, -8.0, -1.0, 0.0, 2.0], dtype=torch.bfloat16)
     assert phi(x).dtype == torch.float32 and (phi(x) > 0).all()
     assert (torch.nn.functional.elu(x) + 1 == 0).any()  # the naive formula underflows here
-    model = make_model('linear', dtype=torch.bfloat16)
+
+
+@pytest.mark.parametrize('layout', list(LINEAR_RULES))
+def test_float32_state_in_a_bf16_model_and_under_autocast(layout):
+    model = make_model(layout, dtype=torch.bfloat16)
     cache = model.init_cache(2)
     logits, _ = model(torch.randint(0, 40, (2, 9)), cache=cache)
-    assert logits.dtype == torch.bfloat16
-    assert all(all(b.dtype == torch.float32 for b in layer.bufs) for layer in cache.layers)
-
-
-def test_model_linear_layer_uses_chunked_and_recurrent_consistently():
-    model = make_model('linear', chunk_size=5)
-    attn = model.transformer.h[0].attn
-    x = torch.randn(2, 13, 32, dtype=torch.float64)
-    full = attn(x, None, 0)
-    cache = attn.init_cache(2, 32, torch.float64, x.device)
-    steps = torch.cat([attn(x[:, :6], None, 0, cache)] + [attn(x[:, t:t + 1], None, t, cache) for t in range(6, 13)], 1)
-    torch.testing.assert_close(steps, full, atol=1e-10, rtol=0)
-
-
-def test_state_stays_float32_under_autocast():
-    """Under bf16 autocast the projections run in bf16, but the linear-attention forms must not:
-    the same float32 q, k, v give the same output inside autocast as outside it."""
-    model = make_model('linear', dtype=torch.float32)
-    attn = model.transformer.h[0].attn
-    q, k, v = (torch.randn(2, 4, 40, 8) for _ in range(3))
-    outs, states = [], []
-    for enabled in (False, True):
-        with torch.autocast('cpu', dtype=torch.bfloat16, enabled=enabled):
-            state = attn.init_cache(2, 0, torch.float32, q.device)
-            outs.append(attn.mix(q, k, v, 0, state))
-            outs.append(attn.mix(q[:, :, :1], k[:, :, :1], v[:, :, :1], 40, state))  # one recurrent step
-            states.append(state)
-    assert all(b.dtype == torch.float32 for b in states[1].bufs)
-    for a, b in zip(outs[:2], outs[2:]):
-        assert rel_err(b, a) < 1e-6
+    assert logits.dtype == torch.bfloat16 and torch.isfinite(logits).all()
+    assert all(b.dtype == torch.float32 for layer in cache.layers for b in layer.bufs)
+    model = make_model(layout, dtype=torch.float32)
     idx = torch.randint(0, 40, (2, 20))
     cache = model.init_cache(2)
     with torch.autocast('cpu', dtype=torch.bfloat16):
         logits, _ = model(idx, cache=cache)
-    assert all(layer.bufs[0].dtype == torch.float32 for layer in cache.layers)
-    assert rel_err(logits.float(), model(idx, targets=idx)[0]) < 0.05  # bf16 projections only
+        step, _ = model(idx[:, :1], cache=cache)  # one recurrent step under autocast too
+    assert all(b.dtype == torch.float32 for layer in cache.layers for b in layer.bufs)
+    full = model(idx, targets=idx)[0]
+    assert ((logits.float() - full).norm() / full.norm()).item() < 0.05  # bf16 projections only

@@ -4,39 +4,46 @@ import pytest
 import torch
 
 from conftest import make_model
+from model import LINEAR_RULES
 
 L, H, DK = 2, 4, 8   # the tiny config: n_layer, n_head, head_dim
 H_KV = {'mha': 4, 'gqa': 2, 'mqa': 1}
 
 
-def table_elements_per_token(attn):
-    if attn in H_KV:
-        return 2 * L * H_KV[attn] * DK
-    if attn == 'mla':
-        return (16 + 4) * L  # d_c + d_R
-    return None  # linear: no per-token cost
+def table_layer_elements(layout, T):
+    """One layer of the README's table, written out: K and V of h_kv heads per token, MLA's d_c + d_R per token, or a
+    linear layout's fixed state: d_k x d_v per head (Katharopoulos one column more, its normalizer z)."""
+    if layout in H_KV:
+        return 2 * H_KV[layout] * DK * T
+    if layout == 'mla':
+        return (16 + 4) * T  # d_c + d_R
+    return H * DK * (DK + (layout == 'linear'))
 
 
-@pytest.mark.parametrize('dtype', [torch.float32, torch.float64, torch.bfloat16])
+@pytest.mark.parametrize('dtype', [torch.float32, torch.float64, torch.bfloat16, torch.float16])
 def test_nbytes_matches_table(attn, dtype):
     model = make_model(attn, dtype=dtype)
     B = 3
     cache = model.init_cache(B)
     elem = torch.empty(0, dtype=dtype).element_size()
+    state_elem = max(elem, 4)  # a linear layout's state is float32 even in a 16-bit model
     assert len(cache) == 0
-    seen = []
     for T in (1, 5, 17, 32):
         model(torch.randint(0, 40, (B, T - len(cache))), cache=cache)
         assert len(cache) == T
-        seen.append(cache.nbytes)
-        per_token = table_elements_per_token(attn)
-        if per_token is not None:
-            assert cache.nbytes == per_token * elem * B * T
-            assert model.config.cache_elements(T) == per_token * T
-    if attn == 'linear':  # constant in T: H * d_k * (d_v + 1) per layer, float32 even in bf16
-        state = L * H * DK * (DK + 1) * B * max(elem, 4)
-        assert seen == [state] * 4
-        assert model.config.cache_elements(1) == model.config.cache_elements(32) == state // B // max(elem, 4)
+        layers = attn.split('+') * (L // len(attn.split('+')))
+        want = sum(table_layer_elements(a, T) * (state_elem if a in LINEAR_RULES else elem) for a in layers)
+        assert cache.nbytes == want * B                      # a real cache
+        assert model.config.cache_bytes(T, dtype) == want    # the formula the README's tables use, in this dtype
+        assert model.config.cache_elements(T) == sum(table_layer_elements(a, T) for a in layers)
+
+
+def test_a_state_does_not_grow_with_t():
+    for layout in LINEAR_RULES:
+        cfg = make_model(layout).config
+        assert cfg.cache_bytes(1) == cfg.cache_bytes(10_000) == cfg.cache_bytes(1, torch.bfloat16) > 0
+    hybrid = make_model('gated_deltanet+gqa').config  # grows by its softmax layer's K/V only
+    assert hybrid.cache_elements(11) - hybrid.cache_elements(10) == 2 * H_KV['gqa'] * DK
 
 
 def test_grouped_heads_cache_counts_h_kv_not_h_q():

@@ -101,3 +101,15 @@ def test_decoding_at_position_zero_is_caught(monkeypatch):
     rope = model.rope
     monkeypatch.setattr(model, 'rope', lambda positions: rope(positions - positions[0]))
     assert not torch.allclose(decode(model), full, atol=1e-3)
+
+
+def test_query_bottleneck_has_q_lora_rank_width():
+    """q_lora_rank = r: W_DQ (n_embd -> r), an RMSNorm over r, W_UQ (r -> n_head (d_h + d_R)); 0: one Linear."""
+    for r in (12, 5):
+        attn = make_model('mla', q_lora_rank=r).transformer.h[0].attn
+        down, norm, up = attn.c_q
+        assert (down.in_features, down.out_features) == (32, r)
+        assert norm.normalized_shape == (r,)
+        assert (up.in_features, up.out_features) == (r, 4 * (8 + 4))
+    straight = make_model('mla').transformer.h[0].attn.c_q
+    assert isinstance(straight, torch.nn.Linear) and straight.out_features == 4 * (8 + 4)

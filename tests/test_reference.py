@@ -1,7 +1,8 @@
 """Each layout against its paper's equations, not only against itself. The references below are written
 from the modules' weights with plain loops and use nothing from model.py but the modules (no apply_rope,
 attend, phi): RoPE (Su et al. 2021), GQA's contiguous groups (Ainslie et al. 2023), MLA (DeepSeek-V2,
-eqs. 9-19) and linear attention (Katharopoulos et al. 2020, eqs. 4-6). Each layer is checked on the
+eqs. 9-19), linear attention (Katharopoulos et al. 2020, eqs. 4-6) and the state-update rules (RetNet,
+Mamba-2, DeltaNet, Gated DeltaNet). Each layer is checked on the
 training path and on the cached path (a prefill, a chunk after it, then one token at a time), and each
 check is shown to reject a broken copy."""
 import math
@@ -223,6 +224,36 @@ def test_mla_equals_the_deepseek_equations(kw):
     assert not torch.allclose(mla_ref(attn, x, model.config.rope_base, rotate_keys=False), ref, atol=1e-3)
 
 
+def delta_family_ref(attn, x, layout, erase=True, forget=True, gamma_sign=1.0):
+    """The state-update papers, token by token, in their orientation (S is d_v x d_k, o_t = S_t q_t):
+    RetNet (Sun et al. 2023)       S_t = γ_h S_{t-1} + v_t k_tᵀ,  γ_h = 1 - 2^(-5-h);
+    Mamba-2 (Dao & Gu 2024)        S_t = α_t S_{t-1} + v_t k_tᵀ,  α_t = exp(-exp(A_log) softplus(W_a x_t + dt_bias));
+    DeltaNet (Yang et al. 2024)    S_t = S_{t-1} (I - β_t k_t k_tᵀ) + β_t v_t k_tᵀ,  β_t = σ(W_β x_t);
+    Gated DeltaNet (Yang et al.)   S_t = α_t S_{t-1} (I - β_t k_t k_tᵀ) + β_t v_t k_tᵀ;
+    with Gated DeltaNet's layer around it: q, k = L2norm(SiLU(W x)), q / sqrt(d_k), o = RMSNorm(o) * SiLU(W_g x)."""
+    B, T, C = x.shape
+    H, d = attn.n_head, attn.head_dim
+    silu = lambda t: t * torch.sigmoid(t)
+    unit = lambda t: t / t.norm(dim=-1, keepdim=True)
+    q, k, v = (t.view(B, T, H, d) for t in linear(x, attn.c_attn).split(C, -1))
+    q, k = unit(silu(q)) / math.sqrt(d), unit(silu(k))
+    alpha = torch.ones(B, T, H, dtype=x.dtype)
+    if layout == 'retnet' and forget:
+        alpha = alpha * (1 - 2.0 ** (-5.0 - gamma_sign * torch.arange(H, dtype=x.dtype)))
+    if layout in ('mamba2', 'gated_deltanet') and forget:
+        alpha = torch.exp(-attn.A_log.exp() * F.softplus(linear(x, attn.a_proj) + attn.dt_bias))
+    delta = layout in ('deltanet', 'gated_deltanet')
+    beta = torch.sigmoid(linear(x, attn.b_proj)) if delta else torch.ones(B, T, H, dtype=x.dtype)
+    S, eye, out = torch.zeros(B, H, d, d, dtype=x.dtype), torch.eye(d, dtype=x.dtype), torch.zeros(B, T, H, d, dtype=x.dtype)
+    for t in range(T):
+        kt, vt, a, b = k[:, t], v[:, t], alpha[:, t, :, None, None], beta[:, t, :, None, None]
+        kkT, vkT = kt[..., :, None] * kt[..., None, :], vt[..., :, None] * kt[..., None, :]  # (B, H, d, d)
+        S = a * S @ (eye - b * kkT) + b * vkT if delta and erase else a * S + b * vkT
+        out[:, t] = (S @ q[:, t, :, :, None]).squeeze(-1)
+    gate = silu(linear(x, attn.g_proj)).view(B, T, H, d)
+    return linear((rms_norm(out, attn.o_norm) * gate).reshape(B, T, C), attn.c_proj)
+
+
 @pytest.mark.parametrize('kw', [{}, dict(bias=True, chunk_size=5)])
 def test_linear_attention_equals_katharopoulos(kw):
     model = make_model('linear', **kw)
@@ -232,3 +263,26 @@ def test_linear_attention_equals_katharopoulos(kw):
     rel = lambda a: ((a - ref)[:, 1:].norm() / ref[:, 1:].norm()).item()
     assert rel(full) < 1e-6 and rel(cached) < 1e-6  # the model adds eps = 1e-6 to the denominator
     assert rel(linear_attention_ref(attn, x, strict=True)) > 1e-3  # negative control: sums without step t
+
+
+BROKEN = {  # per rule, copies of the paper with one thing wrong: each must differ from the model
+    'retnet': [dict(forget=False), dict(gamma_sign=-1.0)],  # no decay; γ_h for the heads in reverse order
+    'mamba2': [dict(forget=False)],
+    'deltanet': [dict(erase=False)],                        # β v kᵀ added, the old value on k never erased
+    'gated_deltanet': [dict(erase=False), dict(forget=False)],
+}
+
+
+@pytest.mark.parametrize('kw', [{}, dict(bias=True, chunk_size=5), dict(chunk_size=3, n_head=2)])
+@pytest.mark.parametrize('layout', list(BROKEN))
+def test_linear_rules_equal_their_papers(layout, kw):
+    """Training path (chunkwise, with the WY solve for the delta rules) and cached path (prefill, a chunk after it,
+    then the one-token recurrence) == the paper's per-token recurrence, in float64."""
+    model = make_model(layout, **kw)
+    x = inputs(model, seed=3)
+    attn, full, cached = layer_paths(model, x)
+    ref = delta_family_ref(attn, x, layout)
+    torch.testing.assert_close(full, ref, atol=1e-12, rtol=0)
+    torch.testing.assert_close(cached, ref, atol=1e-12, rtol=0)
+    for bug in BROKEN[layout]:
+        assert not torch.allclose(delta_family_ref(attn, x, layout, **bug), ref, atol=1e-4), bug

@@ -261,26 +261,26 @@ def linear_chunked(q, k, v, g, beta, S, delta, chunk_size):
     token i writes (v_i, or for the delta rule the corrected β_i (v_i - S_{i-1} k_i)):
         o_i = e^{G_i} q_i S_0 + Σ_{j<=i} e^{G_i - G_j} (q_i · k_j) u_j,   S_C = e^{G_C} S_0 + Σ_j e^{G_C - G_j} k_j u_jᵀ.
     The delta rule's u solve one unit-lower-triangular system per chunk (the WY / UT form, Yang et al. 2024):
-        (I + A) U = diag(β) V - diag(β e^G) K S_0,   A_ij = β_i e^{G_i - G_j} (k_i · k_j) for j < i."""
+        (I + A) U = diag(β) (V - diag(e^G) K S_0),   A_ij = β_i e^{G_i - G_j} (k_i · k_j) for j < i."""
     B, H, T, _ = q.shape
     C, N = chunk_size, -(-T // chunk_size)  # N chunks of C steps, the last one padded: zero keys write nothing
-    q, k, v = (F.pad(x, (0, 0, 0, N * C - T)).unflatten(2, (N, C)) for x in (q, k, v))  # (B, nh, N, C, d)
-    G, beta = (F.pad(x, (0, N * C - T)).unflatten(2, (N, C)) for x in (g, beta))       # (B, nh, N, C)
-    G = G.cumsum(-1)
+    chunks = lambda x, *d: (F.pad(x, (*d, 0, N * C - T)) if N * C > T else x).unflatten(2, (N, C))
+    q, k, v, G, beta = chunks(q, 0, 0), chunks(k, 0, 0), chunks(v, 0, 0), chunks(g), chunks(beta)  # (B, nh, N, C, .)
+    G = G.cumsum(-1)[..., None]                                                       # (B, nh, N, C, 1)
     causal = torch.ones(C, C, dtype=torch.bool, device=q.device).tril()
-    decay = (G[..., :, None] - G[..., None, :]).masked_fill(~causal, -math.inf).exp()  # mask, then exp: no inf * 0
+    decay = (G - G.transpose(-2, -1)).masked_fill(~causal, -math.inf).exp()  # e^{G_i - G_j}; mask, then exp: no inf * 0
+    scores = q @ k.transpose(-2, -1) * decay                                          # (B, nh, N, C, C)
     if delta:
-        A = (k @ k.transpose(-2, -1) * decay).tril(-1) * beta[..., None]             # (B, nh, N, C, C)
-        solve = lambda rhs: torch.linalg.solve_triangular(A, rhs, upper=False, unitriangular=True)  # (I + A)⁻¹ rhs
-        U, W = solve(beta[..., None] * v), solve((beta * G.exp())[..., None] * k)    # U - W S_0: the writes
-    scores = q @ k.transpose(-2, -1) * decay                                         # (B, nh, N, C, C)
+        A = (beta[..., None] * k) @ k.transpose(-2, -1) * decay  # the solve reads only j < i
     out = []
     for n in range(N):  # the state carried across chunks
-        u = U[:, :, n] - W[:, :, n] @ S if delta else v[:, :, n]                     # (B, nh, C, d_v)
-        out.append(G[:, :, n, :, None].exp() * (q[:, :, n] @ S) + scores[:, :, n] @ u)
-        S = G[:, :, n, -1, None, None].exp() * S + (
-            (G[:, :, n, -1:] - G[:, :, n]).exp()[..., None] * k[:, :, n]).transpose(-2, -1) @ u
-    return torch.stack(out, 2).flatten(2, 3)[:, :, :T], S
+        u, eG = v[:, :, n], G[:, :, n].exp()                                          # (B, nh, C, d_v), (B, nh, C, 1)
+        if delta:  # the errors of the memory on each key, corrected for the writes before it in the chunk
+            err = beta[:, :, n, :, None] * (u - eG * (k[:, :, n] @ S))
+            u = torch.linalg.solve_triangular(A[:, :, n], err, upper=False, unitriangular=True)  # (I + A)⁻¹ err
+        out.append(eG * (q[:, :, n] @ S) + scores[:, :, n] @ u)
+        S = eG[:, :, -1:] * S + ((G[:, :, n, -1:] - G[:, :, n]).exp() * k[:, :, n]).transpose(-2, -1) @ u
+    return torch.cat(out, 2)[:, :, :T], S
 
 class LinearAttention(Attention):
     """The linear layouts (LINEAR_RULES): n_head heads of q, k, v, no softmax and no RoPE; a fixed float32 state
@@ -292,29 +292,28 @@ class LinearAttention(Attention):
         super().__init__(config)
         (self.forget, self.delta), self.normalizer = LINEAR_RULES[layout], layout == 'linear'
         C, H = config.n_embd, self.n_head
-        self.c_attn = nn.Linear(C, 3 * C, bias=config.bias)
+        parts = {'qkv': 3 * C, 'gate': C * (not self.normalizer), 'a': H * (self.forget == 'gate'), 'beta': H * self.delta}
+        self.parts = {name: n for name, n in parts.items() if n}  # one projection: q, k, v, output gate, W_a x, W_β x
+        self.c_attn = nn.Linear(C, sum(self.parts.values()), bias=config.bias)
         if self.forget == 'gate':  # Mamba-2's init: A ~ U[1, 16], softplus(dt_bias) = dt ~ logU[1e-3, 0.1]
-            self.a_proj = nn.Linear(C, H, bias=False)
             self.A_log = nn.Parameter(torch.empty(H).uniform_(1, 16).log())
             dt = torch.empty(H).uniform_(math.log(1e-3), math.log(0.1)).exp()
             self.dt_bias = nn.Parameter(dt + torch.log(-torch.expm1(-dt)))  # the inverse of softplus
-        if self.delta:
-            self.b_proj = nn.Linear(C, H, bias=config.bias)
         if not self.normalizer:
-            self.g_proj = nn.Linear(C, C, bias=config.bias)  # the output gate
             self.o_norm = nn.RMSNorm(self.head_dim, eps=1e-6)
         self.c_proj = nn.Linear(C, C, bias=config.bias)
 
     def forward(self, x, rope, pos, cache=None):
         B, L, H = x.size(0), x.size(1), self.n_head
         f32 = torch.promote_types(x.dtype, torch.float32)  # the state, gates and solves: float32 at least
-        q, k, v = self.heads(self.c_attn(x), 3 * H).to(f32).split(H, dim=1)           # (B, nh, L, hs) each
+        parts = dict(zip(self.parts, self.c_attn(x).split(list(self.parts.values()), dim=-1)))
+        q, k, v = self.heads(parts['qkv'], 3 * H).to(f32).split(H, dim=1)           # (B, nh, L, hs) each
         if self.normalizer:
             q, k, v = phi(q), phi(k), F.pad(v, (0, 1), value=1.0)  # v's last channel of ones sums z = Σ phi(k)
         else:
-            q, k = (F.normalize(F.silu(t), dim=-1) for t in (q, k))
+            q, k = F.normalize(F.silu(torch.cat([q, k], 1)), dim=-1).split(H, dim=1)
             q = q * self.head_dim ** -0.5
-        g, beta = self.knob(x, f32)                                                  # (B, nh, L) each
+        g, beta = self.knob(parts, B, L, f32)                                       # (B, nh, L) each
         S = cache.bufs[0] if cache is not None else self.init_cache(B, 0, f32, x.device).bufs[0]
         with torch.autocast(x.device.type, enabled=False):  # decode: one step; else chunkwise-parallel
             y, new_S = (linear_step(q, k, v, g, beta, S, self.delta) if L == 1 else
@@ -323,17 +322,17 @@ class LinearAttention(Attention):
             S.copy_(new_S)  # in place: the state keeps its address (CUDA graphs)
         if self.normalizer:
             return self.out((y[..., :-1] / (y[..., -1:] + 1e-6)).type_as(x))
-        return self.out(self.o_norm(y.type_as(x)) * F.silu(self.heads(self.g_proj(x), H)))
+        return self.out(self.o_norm(y.type_as(x)) * F.silu(self.heads(parts['gate'], H)))
 
-    def knob(self, x, dtype):
+    def knob(self, parts, B, L, dtype):
         """g = log α and β, (B, nh, L): what the rule forgets and how strongly it corrects."""
-        B, L, H = x.size(0), x.size(1), self.n_head
-        g = torch.zeros(B, H, L, dtype=dtype, device=x.device)
+        H, device = self.n_head, parts['qkv'].device
+        g = torch.zeros(B, H, L, dtype=dtype, device=device)
         if self.forget == 'decay':  # RetNet's γ_h = 1 - 2^(-5-h)
-            g = g + torch.log1p(-2.0 ** (-5.0 - torch.arange(H, dtype=dtype, device=x.device)))[:, None]
+            g = g + torch.log1p(-2.0 ** (-5.0 - torch.arange(H, dtype=dtype, device=device)))[:, None]
         if self.forget == 'gate':
-            g = -self.A_log.to(dtype).exp()[:, None] * F.softplus(self.a_proj(x).to(dtype) + self.dt_bias).transpose(1, 2)
-        beta = torch.sigmoid(self.b_proj(x).to(dtype)).transpose(1, 2) if self.delta else torch.ones_like(g)
+            g = -self.A_log.to(dtype).exp()[:, None] * F.softplus(parts['a'].to(dtype) + self.dt_bias).transpose(1, 2)
+        beta = torch.sigmoid(parts['beta'].to(dtype)).transpose(1, 2) if self.delta else torch.ones_like(g)
         return g, beta
 
     def init_cache(self, batch_size, capacity, dtype, device):

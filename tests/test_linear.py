@@ -106,7 +106,8 @@ def test_knob_shapes_and_values(layout):
     torch.manual_seed(0)
     attn = layer(layout)
     x = torch.randn(3, 5, 32)
-    g, beta = attn.knob(x, torch.float32)
+    parts = dict(zip(attn.parts, attn.c_attn(x).split(list(attn.parts.values()), -1)))
+    g, beta = attn.knob(parts, 3, 5, torch.float32)
     assert g.shape == beta.shape == (3, 4, 5)  # (B, nh, L): one α and one β per head and token
     forget, delta = LINEAR_RULES[layout]
     if forget is None:
@@ -115,10 +116,11 @@ def test_knob_shapes_and_values(layout):
         torch.testing.assert_close(g.exp(), (1 - 2.0 ** -torch.arange(5.0, 9.0))[:, None].expand(3, 4, 5))
     if forget == 'gate':
         assert (g < 0).all() and g.std(dim=2).min() > 0  # α_t in (0, 1), changing with the token
-        ref = -attn.A_log.exp()[:, None] * F.softplus(x @ attn.a_proj.weight.T + attn.dt_bias).transpose(1, 2)
+        W_a = attn.c_attn.weight[-4 - 4 * LINEAR_RULES[layout][1]:][:4]  # the rows after q, k, v, gate: W_a, then W_β
+        ref = -attn.A_log.exp()[:, None] * F.softplus(x @ W_a.T + attn.dt_bias).transpose(1, 2)
         torch.testing.assert_close(g, ref)
     if delta:
-        torch.testing.assert_close(beta, torch.sigmoid(attn.b_proj(x)).transpose(1, 2))
+        torch.testing.assert_close(beta, torch.sigmoid(x @ attn.c_attn.weight[-4:].T).transpose(1, 2))
     else:
         assert torch.equal(beta, torch.ones_like(beta))
 
@@ -126,24 +128,22 @@ def test_knob_shapes_and_values(layout):
 @pytest.mark.parametrize('layout', list(LINEAR_RULES))
 def test_initialisation(layout):
     """Mamba-2's: A = exp(A_log) ~ U[1, 16], softplus(dt_bias) = dt ~ logU[1e-3, 0.1], per head; GPT-2's 0.02 for the
-    gate projections; the output norm starts at 1; only the rules that use them have these parameters."""
+    one projection (q, k, v, then the output gate, W_a, W_β: only those the rule uses); the output norm starts at 1."""
     torch.manual_seed(0)
     attn = layer(layout, n_head=64, n_embd=256)
     forget, delta = LINEAR_RULES[layout]
     names = {n for n, _ in attn.named_parameters()}
-    assert ('A_log' in names) == ('dt_bias' in names) == ('a_proj.weight' in names) == (forget == 'gate')
-    assert ('b_proj.weight' in names) == delta
-    assert ('g_proj.weight' in names) == ('o_norm.weight' in names) == (layout != 'linear')
+    assert ('A_log' in names) == ('dt_bias' in names) == (forget == 'gate')
+    assert ('o_norm.weight' in names) == (layout != 'linear')
+    rows = 3 * 256 + 256 * (layout != 'linear') + 64 * (forget == 'gate') + 64 * delta
+    assert list(attn.parts.values()) == [n for n in (768, 256 * (layout != 'linear'), 64 * (forget == 'gate'), 64 * delta) if n]
+    assert attn.c_attn.weight.shape == (rows, 256) and abs(attn.c_attn.weight.std().item() - 0.02) < 0.001
     if forget == 'gate':
         A, dt = attn.A_log.exp(), F.softplus(attn.dt_bias)
         assert attn.A_log.shape == attn.dt_bias.shape == (64,)
         assert 1 <= A.min() and A.max() <= 16 and A.max() - A.min() > 8       # spread over [1, 16]
         assert 1e-3 * 0.999 <= dt.min() and dt.max() <= 0.1 * 1.001 and dt.max() / dt.min() > 10  # log-uniform
-        assert abs(attn.a_proj.weight.std().item() - 0.02) < 0.003
-    if delta:
-        assert attn.b_proj.weight.shape == (64, 256) and abs(attn.b_proj.weight.std().item() - 0.02) < 0.003
     if layout != 'linear':
-        assert attn.g_proj.weight.shape == (256, 256) and abs(attn.g_proj.weight.std().item() - 0.02) < 0.002
         assert torch.equal(attn.o_norm.weight, torch.ones(4))  # head_dim = 256 / 64
 
 

@@ -235,23 +235,23 @@ def delta_family_ref(attn, x, layout, erase=True, forget=True, gamma_sign=1.0):
     H, d = attn.n_head, attn.head_dim
     silu = lambda t: t * torch.sigmoid(t)
     unit = lambda t: t / t.norm(dim=-1, keepdim=True)
-    q, k, v = (t.view(B, T, H, d) for t in linear(x, attn.c_attn).split(C, -1))
+    q, k, v, gate, *knobs = linear(x, attn.c_attn).split([C, C, C, C, H, H][:len(attn.parts) + 2], -1)  # W_a x, W_β x
+    q, k, v = (t.view(B, T, H, d) for t in (q, k, v))
     q, k = unit(silu(q)) / math.sqrt(d), unit(silu(k))
     alpha = torch.ones(B, T, H, dtype=x.dtype)
     if layout == 'retnet' and forget:
         alpha = alpha * (1 - 2.0 ** (-5.0 - gamma_sign * torch.arange(H, dtype=x.dtype)))
     if layout in ('mamba2', 'gated_deltanet') and forget:
-        alpha = torch.exp(-attn.A_log.exp() * F.softplus(linear(x, attn.a_proj) + attn.dt_bias))
+        alpha = torch.exp(-attn.A_log.exp() * F.softplus(knobs[0] + attn.dt_bias))
     delta = layout in ('deltanet', 'gated_deltanet')
-    beta = torch.sigmoid(linear(x, attn.b_proj)) if delta else torch.ones(B, T, H, dtype=x.dtype)
+    beta = torch.sigmoid(knobs[-1]) if delta else torch.ones(B, T, H, dtype=x.dtype)
     S, eye, out = torch.zeros(B, H, d, d, dtype=x.dtype), torch.eye(d, dtype=x.dtype), torch.zeros(B, T, H, d, dtype=x.dtype)
     for t in range(T):
         kt, vt, a, b = k[:, t], v[:, t], alpha[:, t, :, None, None], beta[:, t, :, None, None]
         kkT, vkT = kt[..., :, None] * kt[..., None, :], vt[..., :, None] * kt[..., None, :]  # (B, H, d, d)
         S = a * S @ (eye - b * kkT) + b * vkT if delta and erase else a * S + b * vkT
         out[:, t] = (S @ q[:, t, :, :, None]).squeeze(-1)
-    gate = silu(linear(x, attn.g_proj)).view(B, T, H, d)
-    return linear((rms_norm(out, attn.o_norm) * gate).reshape(B, T, C), attn.c_proj)
+    return linear((rms_norm(out, attn.o_norm) * silu(gate).view(B, T, H, d)).reshape(B, T, C), attn.c_proj)
 
 
 @pytest.mark.parametrize('kw', [{}, dict(bias=True, chunk_size=5)])

@@ -8,9 +8,11 @@ report to --out/MODE.md (default out-bench/); --readme writes results/MODE.md an
     python bench.py decode                # decode roofline (batch 16, t=2048), decode vs context, generation
     python bench.py decode --compile      # ... with compiled columns (a static cache; on CUDA, CUDA graphs)
     python bench.py convert               # MHA -> GQA / MQA by mean-pooling K/V heads, then uptraining
+    python bench.py mqar                  # associative recall vs the number of pairs: what a fixed state can hold
 """
 import copy
 import json
+import math
 import os
 import platform
 import random
@@ -25,17 +27,20 @@ import time
 from dataclasses import replace
 from unittest.mock import patch
 
+import numpy as np
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
 from configurator import Parser, check_device, check_memory, checked, describe, fail, memory_errors_in_one_line
-from model import GPT, GPTConfig, ATTN_LAYOUTS
+from model import GPT, GPTConfig, ATTN_LAYOUTS, linear_chunked, phi
 
 os.environ.setdefault('KINETO_LOG_LEVEL', '6')  # no 'USDT: profiler_start' lines (inductor profiles GPU kernels)
 START = time.time()
 MORE = "\n<!-- the README shows the report down to here -->\n"  # a report's headline, then its details
 PLOTS = []  # saved once the whole report is done: a run that fails or is stopped leaves the saved ones alone
+HYBRID = runpy.run_path(os.path.join(os.path.dirname(os.path.abspath(__file__)), 'config', 'hybrid.py'))['attn']
+LAYOUTS = {**{a: a for a in ATTN_LAYOUTS}, 'hybrid': HYBRID}  # bench's names: config/NAME.py's attn
 
 # --- Shared: the machine, progress, timing, tables and plots ------------------------------------------------
 
@@ -87,29 +92,30 @@ def plot(path, lines, legend, **axes):
 # --- cache: bytes per token, the model's formula next to a real cache ---------------------------------------
 
 @torch.no_grad()
-def cache_report(layouts=ATTN_LAYOUTS):
+def cache_report(layouts=LAYOUTS):
     """Per layout: the cache GPTConfig.cache_elements predicts, and a real cache's nbytes after T tokens."""
     rows = []
-    for attn in layouts:
-        cfg = GPTConfig(attn=attn)
+    for name in layouts:
+        cfg = GPTConfig(attn=LAYOUTS[name])
         T, model = cfg.block_size, GPT(cfg).eval()
         cache = model.init_cache(1)
         model(torch.randint(0, cfg.vocab_size, (1, T)), cache=cache)
-        n, formula = cfg.cache_elements(T), cfg.cache_bytes(T)
-        per_token, fp16 = (f"— (state {n:,})", '—') if attn == 'linear' else (f"{n // T:,}", f"{n // T * 2:,}")
-        rows.append(f"| {attn} | {cfg.n_kv_head if attn in ('mha', 'gqa', 'mqa') else '—'} | {per_token} | {fp16} | "
+        state, per_token, formula = cfg.cache_elements(0), cfg.cache_elements(1) - cfg.cache_elements(0), cfg.cache_bytes(T)
+        rows.append(f"| {name} | {cfg.n_kv_head if cfg.softmax in ('mha', 'gqa', 'mqa') else '—'} | {per_token:,} | "
+                    f"{cfg.cache_bytes(1, torch.float16) - cfg.cache_bytes(0, torch.float16):,} | {state:,} | "
                     f"{formula:,} | {cache.nbytes:,} | {cache.nbytes / formula:.3f} |")
     return (f"Config: {cfg.n_layer} layers, {cfg.n_head} heads, n_embd {cfg.n_embd} (head_dim {cfg.head_dim}), "
-            f"block_size {T}, MLA d_c={cfg.kv_lora_rank} d_R={cfg.rope_head_dim}; cache of 1 sequence after T={T} "
-            "tokens, float32 (linear attention's state is float32 in every dtype).\n\n" +
+            f"block_size {T}, MLA d_c={cfg.kv_lora_rank} d_R={cfg.rope_head_dim}, hybrid {HYBRID!r}; cache of 1 "
+            f"sequence after T={T} tokens, float32 (a linear layer's state is float32 in every dtype).\n\n" +
             table(['layout', 'K/V heads', 'cache elements / token (all layers)', 'bytes / token at fp16',
-                   f'formula bytes at T={T} (fp32)', 'measured `cache.nbytes`', 'measured / formula'], rows))
+                   'fixed state elements (all layers)', f'formula bytes at T={T} (fp32)', 'measured `cache.nbytes`',
+                   'measured / formula'], rows))
 
 # --- train: every layout on one recipe, and the step next to nanoGPT's; convert: MHA -> GQA / MQA -----------
 
 def command(args, *options):
     """The command line of a report: the mode, its options, --layouts if not all, and the extras for train.py."""
-    layouts = [] if args.layouts == list(ATTN_LAYOUTS) else [f"--layouts={','.join(args.layouts)}"]
+    layouts = [] if args.layouts == list(LAYOUTS) else [f"--layouts={','.join(args.layouts)}"]
     return ' '.join(['python bench.py', args.mode, *options, *layouts] + (['--', *args.extra] if args.extra else []))
 
 def train_run(run_dir, args):
@@ -229,7 +235,7 @@ def roofline(layouts, sizes, batch, contexts, device, dtype, compile=False, unca
     kinds, options = ['eager'] + ['compiled'] * compile, compile_options(device) if compile else {}
     for attn in layouts:
         progress(f"decode steps at batch {batch}: {attn}")
-        model = GPT(GPTConfig(attn=attn, **sizes, block_size=max(contexts) + 1)).to(device, dtype).eval()
+        model = GPT(GPTConfig(attn=LAYOUTS[attn], **sizes, block_size=max(contexts) + 1)).to(device, dtype).eval()
         idx = torch.randint(0, model.config.vocab_size, (batch, max(contexts) + 1), device=device)
         for t in contexts:
             for kind in kinds:  # compiled: the same step over a static cache, one graph
@@ -289,7 +295,7 @@ def generation(layouts, sizes, device, dtype, compile=False, prompt=16, new=240,
     kinds, rows = ['no cache', 'cache'] + ['cache, compiled'] * compile, []
     for attn in layouts:
         progress(f"generation: {attn}")
-        models = dict.fromkeys(kinds, GPT(GPTConfig(attn=attn, **sizes, block_size=256)).to(device, dtype).eval())
+        models = dict.fromkeys(kinds, GPT(GPTConfig(attn=LAYOUTS[attn], **sizes, block_size=256)).to(device, dtype).eval())
         if compile:  # one model every way; compiled: a copy, compiled in place (stream() calls self(...))
             models['cache, compiled'] = copy.deepcopy(models['cache'])
             models['cache, compiled'].compile(**compile_options(device))
@@ -347,6 +353,78 @@ def decode_report(args, sizes):
                    "16-token prompt, block 256, greedy** (the best of two runs each way):\n\n" +
                    generation(layouts, sizes, device, dtype, args.compile, new=args.gen_tokens))
 
+# --- mqar: associative recall against the number of pairs, what a fixed state can hold -----------------------
+
+def capacity(d_k, pairs, trials=50):
+    """No training: N random unit keys and values written into one head's state by three rewrites of the chapter's
+    table (model.py's linear_chunked), then every key read back; recall = the read is nearest its own value."""
+    g, recall = torch.Generator().manual_seed(0), {}
+    rules = {'accumulate (linear)': (0.0, False), 'fixed decay (retnet, γ = 1 - 2^-5)': (math.log1p(-2 ** -5), False),
+             'delta rule (deltanet), β = 1': (0.0, True)}  # name: (log α, delta)
+    for n in pairs:
+        k, v = (torch.nn.functional.normalize(torch.randn(trials, 1, n, d_k, generator=g), dim=-1) for _ in range(2))
+        for name, (log_alpha, delta) in rules.items():
+            _, S = linear_chunked(k, k, v, torch.full((trials, 1, n), log_alpha), torch.ones(trials, 1, n),
+                                  torch.zeros(trials, 1, d_k, d_k), delta, 64)
+            nearest = ((k @ S) @ v.transpose(-2, -1)).argmax(-1)  # (trials, 1, n): whose value each read is closest to
+            recall[name, n] = (nearest == torch.arange(n)).float().mean().item()
+    return rules, recall
+
+def mqar_report(args):
+    """Per layout, a 2-layer model trained on MQAR (every N mixed), then recall per N; and the untrained capacity."""
+    from data.mqar.prepare import prepare, VOCAB
+    data = dict(np.load(prepare(os.path.join(args.out, 'mqar'))))  # made again each run: seeded, seconds
+    pairs, d = sorted(int(k.split('_')[-1]) for k in data if k.startswith('val_x_')), 64
+    train_x, train_y = (torch.from_numpy(np.concatenate([data[f'train_{s}_{n}'] for n in pairs])) for s in ('x', 'y'))
+    sizes = dict(n_layer=2, n_head=4, n_embd=d, vocab_size=VOCAB, block_size=train_x.size(1), chunk_size=32,
+                 match_mha_params=True)
+    attn_of = {**LAYOUTS, 'hybrid': 'gated_deltanet+gqa'}  # 2 layers: the hybrid is 1:1
+    acc, batch, lr = {}, 32, 3e-3
+    for name in args.layouts:
+        progress(f"mqar: {name}, {args.max_iters} steps")
+        torch.manual_seed(0)
+        model = GPT(GPTConfig(attn=attn_of[name], **sizes))
+        opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.98), weight_decay=0.0)
+        order = torch.randint(0, train_x.size(0), (args.max_iters, batch), generator=torch.Generator().manual_seed(0))
+        for it, rows in enumerate(order):  # the same batches for every layout; warmup, then cosine to lr / 10
+            for group in opt.param_groups:
+                group['lr'] = lr * min(1, (it + 1) / 100) * (0.55 + 0.45 * math.cos(math.pi * it / args.max_iters))
+            loss = model(train_x[rows], train_y[rows])[1]
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+        model.eval()
+        with torch.no_grad():
+            for n in pairs:
+                x, y = (torch.from_numpy(data[f'val_{s}_{n}']) for s in ('x', 'y'))
+                hit = (model(x, y)[0].argmax(-1) == y)[y >= 0]
+                acc[name, n] = hit.float().mean().item()
+    head_dim = d // sizes['n_head']
+    rules, recall = capacity(head_dim, pairs)
+    plot(os.path.join(args.out, 'mqar.png'),
+         [(pairs, [100 * acc[name, n] for n in pairs], name, dict(marker='o', color=f'C{i}'))
+          for i, name in enumerate(args.layouts)] +
+         [(pairs, [100 * recall[r, n] for n in pairs], f'untrained state: {r}', dict(ls=':', color='gray', marker=m))
+          for r, m in zip(rules, 'x+^')] +
+         [([head_dim] * 2, [0, 100], f'head_dim d_k = {head_dim} (the state\'s rank)', dict(color='black', ls='--'))],
+         dict(fontsize=7, loc='upper left', bbox_to_anchor=(1.01, 1)), title='MQAR: recall vs number of pairs',
+         xlabel='key-value pairs N in the sequence', ylabel='answers recalled (%)', ylim=(0, 102))
+    trained = table(['layout', *[f"N={n}" + (" (= d_k)" if n == head_dim else "") for n in pairs]],
+                    [f"| {name} | " + " | ".join(f"{100 * acc[name, n]:.1f}%" for n in pairs) + " |"
+                     for name in args.layouts])
+    untrained = table(['rewrite (one head, no training)', *[f"N={n}" for n in pairs]],
+                      [f"| {r} | " + " | ".join(f"{100 * recall[r, n]:.1f}%" for n in pairs) + " |" for r in rules])
+    return (f"`{command(args, f'--max_iters={args.max_iters}')}` on {machine()}: data/mqar/prepare.py's data (one token "
+            f"a pair, then every key queried; {train_x.size(0):,} training sequences of {train_x.size(1)} tokens, "
+            f"N = {', '.join(map(str, pairs))} mixed), a {sizes['n_layer']}-layer model per layout ({sizes['n_head']} "
+            f"heads, n_embd {d}, head_dim d_k = {head_dim}, MLP sized to MHA's parameter count; hybrid = "
+            f"'gated_deltanet+gqa'), {args.max_iters} AdamW steps of {batch} sequences at lr {lr:g}, the same batches "
+            "for every layout; recall = answers right on 500 held-out sequences per N.\n\n" + trained +
+            "\n![MQAR recall vs pairs](mqar.png)\n" + MORE + "\n**The state's capacity, no training**: N random unit "
+            f"keys and values (d_k = {head_dim}) written into one head's state by model.py's update, then every key "
+            "read back; recall = the read is nearest its own value (50 trials):\n\n" + untrained)
+
 # --- the command line ---------------------------------------------------------------------------------------
 
 def readme_section(mode, report, out='results'):
@@ -359,20 +437,20 @@ def main(argv=None):
     PLOTS.clear()
     count = checked(int, lambda v: v >= 1, "give an integer >= 1")
     listed = lambda kind, ok, rule: checked(lambda text: sorted({kind(x) for x in text.split(',')}), ok, rule)
-    layouts = listed(str, lambda v: set(v) <= set(ATTN_LAYOUTS), "choose from " + ','.join(ATTN_LAYOUTS))
+    layouts = listed(str, lambda v: set(v) <= set(LAYOUTS), "choose from " + ','.join(LAYOUTS))
     fractions = listed(float, lambda v: all(0 <= f <= 1 for f in v), "give numbers in [0, 1]")
     contexts = listed(int, lambda v: v[0] >= 1, "give integers >= 1")
     positive = checked(float, lambda v: 0 < v < float('inf'), "give a number > 0")
     gen_tokens = checked(int, lambda v: 1 <= v <= 240, "give 1 to 240 (block 256, prompt 16)")
     p = Parser(prog='bench.py', description=__doc__)
-    p.add_argument('mode', choices=['cache', 'train', 'decode', 'convert'])
+    p.add_argument('mode', choices=['cache', 'train', 'decode', 'convert', 'mqar'])
     p.add_argument('extra', nargs='*', default=[], help='train, convert: more --key=value for train.py, after --')
     only = dict(extra='train, convert', compile='decode')  # {option: the modes it is for}
     for modes, flag, default, kind, what in (  # '' = for every mode
-            ('cache, train, decode', 'layouts', ','.join(ATTN_LAYOUTS), layouts, 'a comma-separated subset'),
+            ('cache, train, decode, mqar', 'layouts', ','.join(LAYOUTS), layouts, 'a comma-separated subset'),
             ('', 'out', None, str, 'folder for runs, reports and plots (default: out-bench; with --readme: results)'),
             ('train, decode', 'device', 'cpu', str, 'cpu or cuda[:N]; train on cuda runs the full baby-GPT recipe'),
-            ('train, convert', 'max_iters', None, count, "iterations (MHA's for convert): 2000, train on cuda 5000"),
+            ('train, convert, mqar', 'max_iters', None, count, "iterations (MHA's for convert): 2000, train on cuda 5000"),
             ('train', 'nanogpt', None, str, "nanoGPT's model.py, to time its step next to ours"),
             ('convert', 'fractions', '0,0.01,0.025,0.05,0.1', fractions, 'uptraining, fractions of max_iters'),
             ('convert', 'lr', 1e-3, positive, 'peak learning rate of uptraining'),
@@ -404,7 +482,7 @@ def main(argv=None):
         p.error(f"--out={args.out!r}: " + ("with --readme: the README links to results/, where --readme writes"
                                             if args.out else "give a folder to write the results in"))
     args.out = 'results' if args.readme else args.out or 'out-bench'  # results/: what the README shows
-    args.layouts = [a for a in ATTN_LAYOUTS if a in args.layouts]  # in the usual order
+    args.layouts = [a for a in LAYOUTS if a in args.layouts]  # in the usual order
     args.max_iters = args.max_iters or (5000 if args.mode == 'train' and args.device != 'cpu' else 2000)
     check_device(args.device, args.dtype)
     try:  # nanoGPT's model.py runs now, two steps: a wrong file is refused before five layouts train, not after
@@ -416,14 +494,14 @@ def main(argv=None):
     start, end = f"<!-- {args.mode}-table -->", f"<!-- /{args.mode}-table -->"
     try:
         dtype = getattr(torch, args.dtype)
-        cfgs = [GPTConfig(attn=a, **sizes) for a in args.layouts] if args.mode == 'decode' else []
+        cfgs = [GPTConfig(attn=LAYOUTS[a], **sizes) for a in args.layouts] if args.mode == 'decode' else []
         with torch.device('meta'):  # counted, not allocated, at 1 and 2 layers (the blocks are alike): any n_layer
             one, two = ([sum(p.numel() for p in GPT(replace(c, n_layer=n)).parameters()) for c in cfgs] for n in (1, 2))
         need = sum(a + (args.n_layer - 1) * (b - a) for a, b in zip(one, two)) * dtype.itemsize  # every layout at once
         need += max(sum(c.cache_bytes(args.t + 1, dtype) * args.batch * (1 + args.compile) for c in cfgs) +
                     8 * args.batch * (args.t + 1) * len(cfgs),  # the caches, and the token ids
                     sum(c.cache_bytes(max(args.contexts) + 1, dtype) * len(args.contexts) for c in cfgs) +  # full buffers
-                    ('mla' in [c.attn for c in cfgs]) * max(args.contexts) ** 2 * args.n_head * 4)  # MLA's uncached scores
+                    ('mla' in [c.softmax for c in cfgs]) * max(args.contexts) ** 2 * args.n_head * 4)  # MLA's uncached scores
         check_memory(need, args.device, f"--t={args.t}, --batch={args.batch}, --contexts, the sizes: weights and caches")
         if args.mode in ('train', 'convert') and not os.path.isfile('train.py'):
             raise ValueError(f"{args.mode} runs train.py and config/ from here: run bench.py in its own folder")
@@ -437,7 +515,8 @@ def main(argv=None):
         p.error(f"--out {args.out!r}: {e.strerror}; give a folder to write the results in")
     torch.manual_seed(0)
     report = {'cache': lambda: cache_report(args.layouts), 'train': lambda: train_report(args),
-              'decode': lambda: decode_report(args, sizes), 'convert': lambda: convert_report(args)}[args.mode]()
+              'decode': lambda: decode_report(args, sizes), 'convert': lambda: convert_report(args),
+              'mqar': lambda: mqar_report(args)}[args.mode]()
     for save in PLOTS:
         save()
     with open(os.path.join(args.out, f'{args.mode}.md'), 'w') as f:

@@ -151,6 +151,7 @@ same = torch.equal(with_cache, without)
 diff = (with_cache != without).any(0).nonzero()
 per_token = cache.nbytes / num_samples / len(cache)
 formula = cfg.cache_bytes(len(cache), next(model.parameters()).dtype) / len(cache)
+state = cfg.cache_elements(0) > 0  # the linear layers' fixed state
 print(decode(with_cache[0].tolist())[:200].replace('\n', ' ') + ' ...\n')
 rows = [('layout', cfg.attn), ('device / dtype', f"{device} / {dtype}"),
         ('tokens identical', 'yes' if same else f"no: first difference at new token {diff[0].item()}" +
@@ -161,9 +162,9 @@ rows = [('layout', cfg.attn), ('device / dtype', f"{device} / {dtype}"),
         ('speedup (medians)', f"{median[True] / median[False]:.2f}x"),
         (f'cache bytes at the end ({len(cache)} tokens x {num_samples} samples)', f"{cache.nbytes:,}"),
         ('cache bytes / token: measured', f"{per_token:,.1f}"),
-        ('cache bytes / token: formula', f"{formula:,.1f}" + ('  (fixed state / tokens)' if cfg.attn == 'linear' else ''))]
+        ('cache bytes / token: formula', f"{formula:,.1f}" + ('  (incl. the fixed state / tokens)' if state else ''))]
 width = max(len(k) for k, _ in rows)
 print('\n'.join(f"{k:<{width}} | {v}" for k, v in rows))
-if len(x[0]) + max_new_tokens > cfg.block_size and cfg.attn != 'linear':
+if len(x[0]) + max_new_tokens > cfg.block_size and cfg.softmax:
     print(f"(the cache holds {len(cache)} tokens, not {len(x[0]) + max_new_tokens}: past block_size={cfg.block_size} "
           f"the window slides, and the cache is refilled with the last block_size / 2 tokens)")

@@ -79,14 +79,14 @@ n_head = 6                      # query heads
 n_embd = 384                    # model width
 dropout = 0.2                   # dropout probability (embeddings, attention, residuals)
 bias = False                    # biases in Linears and LayerNorms (GPT-2 had them)
-attn = 'mha'                    # mha, gqa, mqa, mla or linear
+attn = 'mha'                    # mha, gqa, mqa, mla, linear, retnet, mamba2, deltanet, gated_deltanet; or a hybrid 'gated_deltanet*3+gqa'
 n_kv_head = 0                   # K/V heads; 0 = mha n_head, gqa n_head's smallest divisor > 1, mqa 1
 pos_emb = 'rope'                # rope, or learned absolute positions (nanoGPT's)
 rope_base = 10000.0             # RoPE theta base
 kv_lora_rank = 0                # MLA d_c; 0 = 4 * head_dim (DeepSeek-V2's ratio)
 rope_head_dim = 0               # MLA d_R; 0 = head_dim / 2
 q_lora_rank = 0                 # MLA query compression; 0 = off
-chunk_size = 64                 # linear attention: chunk of the chunkwise training form
+chunk_size = 64                 # the linear layouts: chunk of the chunkwise training form
 match_mha_params = False        # widen/narrow the MLP to MHA's parameter count
 # AdamW and the learning-rate schedule (linear warmup, cosine decay to min_lr)
 learning_rate = 1e-3            # peak learning rate

@@ -1,0 +1,7 @@
+# Baby GPT on tiny Shakespeare, char level, a hybrid stack as Qwen3-Next and Kimi Linear build them: three Gated
+# DeltaNet layers to one softmax layer (GQA), the pattern repeated over the layers (6 layers: 3 GDN, GQA, 2 GDN;
+# the CPU preset's 4: 3 GDN, GQA). Everything else is train.py's defaults (nanoGPT's train_shakespeare_char.py).
+out_dir = 'out-shakespeare-char-hybrid'
+attn = 'gated_deltanet*3+gqa'
+n_kv_head = 2             # the GQA layer's: 3 query heads share each K/V head
+match_mha_params = True   # MLP sized to MHA's parameter count

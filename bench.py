@@ -495,9 +495,11 @@ def main(argv=None):
     try:
         dtype = getattr(torch, args.dtype)
         cfgs = [GPTConfig(attn=LAYOUTS[a], **sizes) for a in args.layouts] if args.mode == 'decode' else []
-        with torch.device('meta'):  # counted, not allocated, at 1 and 2 layers (the blocks are alike): any n_layer
-            one, two = ([sum(p.numel() for p in GPT(replace(c, n_layer=n)).parameters()) for c in cfgs] for n in (1, 2))
-        need = sum(a + (args.n_layer - 1) * (b - a) for a, b in zip(one, two)) * dtype.itemsize  # every layout at once
+        with torch.device('meta'):  # counted, not allocated, at one and two patterns of layers (alike): any n_layer
+            P = [len(c.pattern()) for c in cfgs]
+            one, two = ([sum(p.numel() for p in GPT(replace(c, n_layer=n * P[i])).parameters()) for i, c in
+                         enumerate(cfgs)] for n in (1, 2))
+        need = sum(a + (args.n_layer // n - 1) * (b - a) for a, b, n in zip(one, two, P)) * dtype.itemsize  # all at once
         need += max(sum(c.cache_bytes(args.t + 1, dtype) * args.batch * (1 + args.compile) for c in cfgs) +
                     8 * args.batch * (args.t + 1) * len(cfgs),  # the caches, and the token ids
                     sum(c.cache_bytes(max(args.contexts) + 1, dtype) * len(args.contexts) for c in cfgs) +  # full buffers

@@ -90,10 +90,12 @@ class GPTConfig:
         return [name for name, _, n in parts for _ in range(int(n or 1))] if ok else []
 
     @property
-    def layouts(self):
-        """Each layer's layout: the pattern repeated over n_layer (Qwen3-Next's 3:1 on 6 layers: 3 linear, 1 softmax, 2)."""
-        p = self.pattern()
-        return [p[i % len(p)] for i in range(self.n_layer)]
+    def layouts(self):  # each layer's: the pattern repeated over n_layer (Qwen3-Next's 3:1 on 6 layers: 3, 1, 2)
+        return [self.pattern()[i % len(self.pattern())] for i in range(self.n_layer)]
+
+    def layer_counts(self):  # {layout: its number of layers}, counted without listing them (n_layer may be huge)
+        p, (full, rest) = self.pattern(), divmod(self.n_layer, len(self.pattern()))
+        return {a: full * p.count(a) + p[:rest].count(a) for a in dict.fromkeys(p)}
 
     @property
     def softmax(self):  # the softmax layout of the stack, or None if every layer is linear
@@ -103,21 +105,19 @@ class GPTConfig:
     def head_dim(self):
         return self.n_embd // self.n_head
 
-    def layer_cache_elements(self, layout, T):
-        """Elements one layer's cache holds after T tokens (batch 1)."""
-        hd = self.head_dim
-        if layout in LINEAR_RULES:  # a state (d_k, d_v) per head whatever T; Katharopoulos adds its normalizer z
+    def cache_elements(self, T, layout=None):
+        """Elements a cache holds after T tokens (batch 1): the table of the README; all layers, or one layout's."""
+        if layout is None:
+            return sum(n * self.cache_elements(T, a) for a, n in self.layer_counts().items())
+        hd = self.head_dim  # a linear layout: a state (d_k, d_v) per head whatever T; Katharopoulos adds its z
+        if layout in LINEAR_RULES:
             return self.n_head * hd * (hd + (layout == 'linear'))
         return (self.kv_lora_rank + self.rope_head_dim) * T if layout == 'mla' else 2 * self.n_kv_head * hd * T
 
-    def cache_elements(self, T):
-        """Elements a cache holds after T tokens (batch 1, all layers): the table of the README."""
-        return sum(self.layer_cache_elements(a, T) for a in self.layouts)
-
     def cache_bytes(self, T, dtype=torch.float32):  # linear layouts keep their state in float32 at least
         state = torch.promote_types(dtype, torch.float32).itemsize
-        return sum(self.layer_cache_elements(a, T) * (state if a in LINEAR_RULES else dtype.itemsize)
-                   for a in self.layouts)
+        return sum(n * self.cache_elements(T, a) * (state if a in LINEAR_RULES else dtype.itemsize)
+                   for a, n in self.layer_counts().items())
 
 # --- What the layouts share: RoPE, the causal attention call, the caches -----------------------------------
 
@@ -244,8 +244,7 @@ def phi(x):
     x = x.to(torch.promote_types(x.dtype, torch.float32))
     return torch.where(x >= 0, x + 1, torch.exp(x.clamp(max=0)))
 
-# The update, written once. The state is stored transposed, S (B, nh, d_k, d_v) = Σ k vᵀ, so that o = q S on row vectors.
-# g = log α_t and beta = β_t are (B, nh, L); delta=False writes v_t with weight 1 and erases nothing.
+# The update, written once: S (B, nh, d_k, d_v) = Σ k vᵀ (transposed: o = q S on rows), g = log α and β (B, nh, L).
 
 def linear_step(q, k, v, g, beta, S, delta):
     """One token (decode), q, k (B, nh, 1, d_k), v (B, nh, 1, d_v): S <- α S (I - β k kᵀ) + β v kᵀ, o = q S."""
@@ -283,10 +282,9 @@ def linear_chunked(q, k, v, g, beta, S, delta, chunk_size):
     return torch.cat(out, 2)[:, :, :T], S
 
 class LinearAttention(Attention):
-    """The linear layouts (LINEAR_RULES): n_head heads of q, k, v, no softmax and no RoPE; a fixed float32 state
-    per head, S = Σ (decayed, corrected) k vᵀ (d_k, d_v), is the whole cache. Katharopoulos ('linear'): phi = elu + 1
-    and a normalizer z = Σ phi(k), kept as S's last column (v gets a channel of ones). The others, as Gated
-    DeltaNet: q, k = L2norm(SiLU(.)), q scaled by 1/sqrt(d_k), the output RMS-normed per head and SiLU-gated."""
+    """The linear layouts: no softmax, no RoPE; a float32 state per head, S (d_k, d_v), is the whole cache. 'linear'
+    (Katharopoulos): phi = elu + 1 and a normalizer z = Σ phi(k), S's last column (v gets a channel of ones). The
+    others, as Gated DeltaNet: q, k = L2norm(SiLU(.)), q / sqrt(d_k), the output RMS-normed per head, SiLU-gated."""
 
     def __init__(self, config, layout):
         super().__init__(config)
@@ -398,7 +396,7 @@ def mlp_hidden(config):
     with torch.device('meta'):  # counted, nothing allocated; MHA's weights, without RoPE's rule of an even head_dim
         count = lambda cfg, a: sum(p.numel() for p in make_attention(cfg, a).parameters())
         mha = replace(config, attn='mha', n_kv_head=0, q_lora_rank=0, pos_emb='learned', match_mha_params=False)
-        extra = sum(count(mha, 'mha') - count(config, a) for a in config.layouts) / config.n_layer  # per layer
+        extra = sum(n * (count(mha, 'mha') - count(config, a)) for a, n in config.layer_counts().items()) / config.n_layer
     return 4 * config.n_embd + round(extra / (2 * config.n_embd + config.bias))  # c_fc row + c_proj column
 
 class MLP(nn.Module):

@@ -23,26 +23,30 @@ def bench(*args):
     return r.stdout
 
 
+NAMES = ['mha', 'gqa', 'mqa', 'mla', 'linear', 'gated_deltanet', 'hybrid']
+
+
 def test_decode_report_on_a_tiny_model(tmp_path):
-    out = bench('decode', '--n_layer=1', '--n_head=4', '--n_embd=16', '--contexts=8,32', '--gen_tokens=12',
-                '--batch=3', '--t=40', f'--out={tmp_path}')
+    out = bench('decode', '--n_layer=4', '--n_head=4', '--n_embd=16', '--contexts=8,32', '--gen_tokens=12',
+                '--batch=3', '--t=40', f'--out={tmp_path}', f'--layouts={",".join(NAMES)}')
     assert out.startswith((tmp_path / 'decode.md').read_text())
     assert (tmp_path / 'decode.png').stat().st_size > 10_000 and (tmp_path / 'roofline.png').stat().st_size > 10_000
-    roof = re.findall(r"\| (mha|gqa|mqa|mla|linear) \| ([\d.,e+]+) MB \| ([\d.e+-]+) \| ([\d.e+-]+) \| ([\d.e+-]+) \| "
+    roof = re.findall(r"\| (\w+) \| ([\d.,e+]+) MB \| ([\d.e+-]+) \| ([\d.e+-]+) \| ([\d.e+-]+) \| "
                       r"(bytes|FLOPs) \| ([\d.e+-]+) \| \*\*([\d.e+-]+)%\*\* \|", out)
-    assert [r[0] for r in roof] == ['mha', 'gqa', 'mqa', 'mla', 'linear']
+    assert [r[0] for r in roof] == NAMES
     for attn, mb, gflop, bytes_ms, flop_ms, binds, ms, pct in roof:  # bytes read = every weight + the filled cache
-        cfg = GPTConfig(attn=attn, n_layer=1, n_head=4, n_embd=16, block_size=41, kv_lora_rank=16, rope_head_dim=2)
+        cfg = GPTConfig(attn=bench_module.LAYOUTS[attn], n_layer=4, n_head=4, n_embd=16, block_size=41, kv_lora_rank=16,
+                        rope_head_dim=2)
         weights = sum(p.numel() for p in GPT(cfg).parameters()) * 4  # MLA at d_c = 4 head_dim, d_R = head_dim / 2
         assert float(mb) == pytest.approx((weights + 3 * cfg.cache_bytes(41)) / 1e6, rel=5e-3)  # t + 1 keys
         assert float(gflop) > 0 and binds == ('bytes' if float(bytes_ms) >= float(flop_ms) else 'FLOPs')
         assert float(pct) == pytest.approx(100 * max(float(bytes_ms), float(flop_ms)) / float(ms), rel=0.02)  # 3 digits
     flops = {r[0]: float(r[2]) for r in roof}
     assert flops['mla'] > flops['mha']  # absorbed MLA: per head, d_c + d_R per key for the score and d_c for the value
-    costs = re.findall(r"\| (mha|gqa|mqa|mla|linear) \| ([\d.e-]+) / ([\d.,]+) \| ([\d.e-]+) / ([\d.,]+) \|", out)
-    assert [c[0] for c in costs] == ['mha', 'gqa', 'mqa', 'mla', 'linear']
-    gen = re.findall(r"\| (mha|gqa|mqa|mla|linear) \| (1|8) \| [\d.,]+ \| [\d.,]+ \| [\d.]+x \| yes \|", out)
-    assert len(gen) == 10  # identical greedy tokens with and without the cache, batch 1 and 8
+    costs = re.findall(r"\| (\w+) \| ([\d.e-]+) / ([\d.,]+) \| ([\d.e-]+) / ([\d.,]+) \|", out)
+    assert [c[0] for c in costs] == NAMES
+    gen = re.findall(r"\| (\w+) \| (1|8) \| [\d.,]+ \| [\d.,]+ \| [\d.]+x \| yes \|", out)
+    assert len(gen) == 2 * len(NAMES)  # identical greedy tokens with and without the cache, batch 1 and 8
     headline = bench_module.readme_section('decode', out, str(tmp_path))
     assert '**Roofline' in headline and 'Decode cost vs context' not in headline and f'{tmp_path}/decode.md' in headline
 
@@ -257,3 +261,18 @@ def test_generation_agreement_tells_a_near_tie_from_a_difference():
     assert bench_module.agree(model, idx, ref, other, tol=0) == 'NO'  # not within tolerance
     other[1, 2] = top[-1]  # the least likely token: never a tie
     assert bench_module.agree(model, idx, ref, other, tol=1e9) == 'NO'
+
+
+def test_mqar_report_on_a_tiny_run(tmp_path):
+    out = bench('mqar', '--layouts=mha,deltanet,hybrid', '--max_iters=3', f'--out={tmp_path}')
+    assert out.startswith((tmp_path / 'mqar.md').read_text()) and (tmp_path / 'mqar.png').stat().st_size > 10_000
+    rows = re.findall(r"^\| (mha|deltanet|hybrid) \| ([\d.]+)% \| ([\d.]+)% \| ([\d.]+)% \| ([\d.]+)% \| ([\d.]+)% \|$", out, re.M)
+    assert [r[0] for r in rows] == ['mha', 'deltanet', 'hybrid'] and all(0 <= float(p) <= 100 for r in rows for p in r[1:])
+    assert 'N=16 (= d_k)' in out  # the state's rank marked
+
+
+def test_capacity_of_an_untrained_state():
+    """Few pairs in a wide state are all recalled; past d_k, pure accumulation blurs (the chapter's claim)."""
+    rules, recall = bench_module.capacity(64, [4, 256])
+    assert all(recall[r, 4] > 0.99 for r in rules)
+    assert recall['accumulate (linear)', 256] < 0.7

@@ -119,3 +119,38 @@ def test_your_own_text_in_two_commands(tmp_path):
                         f'--out_dir={tmp_path / "out-mine"}', '--max_iters=2'], cwd=ROOT, capture_output=True, text=True)
     assert r.returncode == 0 and 'step 2:' in r.stdout, r.stderr
     assert json.load(open(tmp_path / 'mine' / 'meta.json'))['itos'][-1] == '☃'
+
+
+def test_mqar_sequences_pair_every_query_with_its_value():
+    """Written out independently: N pairs with distinct keys, then each key once as a query, the target at a query is
+    the value its key was paired with, -1 everywhere else (padding included)."""
+    import numpy as np
+    from data.mqar.prepare import sequences, KEYS, VALUES, QUERY, ANSWER, PAD
+    x, y = sequences(5, 200, np.random.default_rng(0), length=16)
+    assert x.shape == y.shape == (200, 16)
+    for row_x, row_y in zip(x, y):
+        pairs = {int(t) // VALUES: int(t) % VALUES for t in row_x[:5]}
+        assert len(pairs) == 5 and all(t < KEYS * VALUES for t in row_x[:5])  # distinct keys
+        queries = [int(t) - QUERY for t in row_x[5:10]]
+        assert sorted(queries) == sorted(pairs)                                 # every key asked once
+        assert [int(t) - ANSWER for t in row_y[5:10]] == [pairs[q] for q in queries]
+        assert (row_y[:5] == -1).all() and (row_y[10:] == -1).all() and (row_x[10:] == PAD).all()
+    assert len({tuple(r) for r in x[:, 5:10] - QUERY}) > 100  # queries come in random orders
+
+
+def test_mqar_prepare_writes_every_n_and_refuses_bad_input(tmp_path):
+    import json
+    import subprocess
+    import sys
+    import numpy as np
+    from conftest import ROOT
+    script = os.path.join(ROOT, 'data', 'mqar', 'prepare.py')
+    r = subprocess.run([sys.executable, script, '--pairs=2,6', '--train=30', '--val=7', f'--out_dir={tmp_path}'],
+                       capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    data = np.load(tmp_path / 'mqar.npz')
+    assert data['train_x_2'].shape == (30, 12) and data['val_y_6'].shape == (7, 12)  # padded to 2 max(N)
+    assert json.loads((tmp_path / 'meta.json').read_text())['pairs'] == [2, 6]
+    for bad in ('--pairs=0', '--pairs=33', '--pairs=x', '--train=0'):
+        r = subprocess.run([sys.executable, script, bad, f'--out_dir={tmp_path}'], capture_output=True, text=True)
+        assert r.returncode == 2 and len(r.stderr.strip().splitlines()) <= 3 and 'Traceback' not in r.stderr, r.stderr

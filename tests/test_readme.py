@@ -29,7 +29,7 @@ def test_bench_cache_rejects_unknown_layout():
     assert "'mha,flash': choose from mha,gqa,mqa,mla,linear" in r.stderr and 'Traceback' not in r.stderr
 
 
-@pytest.mark.parametrize('mode', ['train', 'decode', 'convert'])
+@pytest.mark.parametrize('mode', ['train', 'decode', 'convert', 'mqar'])
 def test_readme_tables_are_the_committed_bench_output(mode):
     """README's measured tables are exactly the headline of what `python bench.py MODE` last wrote to results/MODE.md."""
     with open(os.path.join(ROOT, 'README.md')) as f:

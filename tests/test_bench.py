@@ -211,7 +211,7 @@ def test_a_failed_run_leaves_the_saved_plots_alone(tmp_path, monkeypatch):
     monkeypatch.setattr(bench_module, 'generation', lambda *a, **k: 1 / 0)  # fails after the roofline is drawn
     with pytest.raises(ZeroDivisionError):
         bench_module.main(['decode', '--n_layer=1', '--n_head=4', '--n_embd=16', '--contexts=8', '--batch=2', '--t=8',
-                           f'--out={tmp_path}'])
+                           f'--out={tmp_path}', '--layouts=mha,linear'])
     assert os.listdir(tmp_path) == ['roofline.png'] and (tmp_path / 'roofline.png').read_bytes() == b'saved'
 
 
@@ -273,6 +273,7 @@ def test_mqar_report_on_a_tiny_run(tmp_path):
 
 def test_capacity_of_an_untrained_state():
     """Few pairs in a wide state are all recalled; past d_k, pure accumulation blurs (the chapter's claim)."""
-    rules, recall = bench_module.capacity(64, [4, 256])
+    rules, recall = bench_module.capacity(64, [4])
     assert all(recall[r, 4] > 0.99 for r in rules)
-    assert recall['accumulate (linear)', 256] < 0.7
+    rules, recall = bench_module.capacity(16, [64])
+    assert recall['accumulate (linear)', 64] < 0.6

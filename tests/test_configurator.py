@@ -48,7 +48,9 @@ def test_unknown_key_in_a_config_file(tmp_path, capsys):
 
 @pytest.mark.parametrize('args,message', [
     (['--n_layr=2'], "unknown config key 'n_layr' in --n_layr (did you mean 'n_layer'?)"),
-    (['--attn=flash'], "GPTConfig.attn='flash' is invalid: must be one of ('mha', 'gqa', 'mqa', 'mla', 'linear')"),
+    (['--attn=flash'], "GPTConfig.attn='flash' is invalid: must be one of ('mha', 'gqa', 'mqa', 'mla', 'linear', "
+                       "'retnet', 'mamba2', 'deltanet', 'gated_deltanet'), or a hybrid of them"),
+    (['--attn=deltanet*5+gqa'], "GPTConfig.attn='deltanet*5+gqa' is invalid: has 6 layers, more than n_layer=4"),
     (['--n_kv_head=4', '--attn=gqa'], "GPTConfig.n_kv_head=4 is invalid"),
     (['--init_from=gpt2'], "init_from='gpt2' should be 'scratch', 'resume', or an out_dir with an MHA ckpt.pt"),
 ])

@@ -64,7 +64,8 @@ def test_sample_top_k_top_p():
     assert draws == {0, 1}
 
 
-def test_traces_as_one_graph_per_path(attn):
+@pytest.mark.parametrize('attn', ['mha', 'gqa', 'mla', 'linear', 'gated_deltanet', 'gated_deltanet+gqa'])
+def test_traces_as_one_graph_per_path(attn):  # (the other linear rules share gated_deltanet's code path)
     """torch.compile(fullgraph=True) captures training, prefill, decode and the uncached window without
     a graph break (which would raise) and within the recompile limit: what `bench.py decode --compile`
     and `compile=True` rely on. backend='eager' traces without generating code, so this runs in seconds."""

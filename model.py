@@ -302,8 +302,7 @@ class LinearAttention(Attention):
         self.c_proj = nn.Linear(C, C, bias=config.bias)
 
     def forward(self, x, rope, pos, cache=None):
-        B, L, H = x.size(0), x.size(1), self.n_head
-        f32 = torch.promote_types(x.dtype, torch.float32)  # the state, gates and solves: float32 at least
+        (B, L, _), H, f32 = x.shape, self.n_head, torch.promote_types(x.dtype, torch.float32)
         parts = dict(zip(self.parts, self.c_attn(x).split(list(self.parts.values()), dim=-1)))
         q, k, v = self.heads(parts['qkv'], 3 * H).to(f32).split(H, dim=1)           # (B, nh, L, hs) each
         if self.normalizer:
@@ -311,7 +310,7 @@ class LinearAttention(Attention):
         else:
             q, k = F.normalize(F.silu(torch.cat([q, k], 1)), dim=-1).split(H, dim=1)
             q = q * self.head_dim ** -0.5
-        g, beta = self.knob(parts, B, L, f32)                                       # (B, nh, L) each
+        g, beta = self.knob(parts, B, L, f32)                    # (B, nh, L) each; state, gates and solve in f32
         S = cache.bufs[0] if cache is not None else self.init_cache(B, 0, f32, x.device).bufs[0]
         with torch.autocast(x.device.type, enabled=False):  # decode: one step; else chunkwise-parallel
             y, new_S = (linear_step(q, k, v, g, beta, S, self.delta) if L == 1 else
@@ -324,10 +323,9 @@ class LinearAttention(Attention):
 
     def knob(self, parts, B, L, dtype):
         """g = log α and β, (B, nh, L): what the rule forgets and how strongly it corrects."""
-        H, device = self.n_head, parts['qkv'].device
-        g = torch.zeros(B, H, L, dtype=dtype, device=device)
+        g = parts['qkv'].new_zeros(B, self.n_head, L, dtype=dtype)
         if self.forget == 'decay':  # RetNet's γ_h = 1 - 2^(-5-h)
-            g = g + torch.log1p(-2.0 ** (-5.0 - torch.arange(H, dtype=dtype, device=device)))[:, None]
+            g = g + torch.log1p(-2.0 ** (-5.0 - torch.arange(self.n_head, dtype=dtype, device=g.device)))[:, None]
         if self.forget == 'gate':
             g = -self.A_log.to(dtype).exp()[:, None] * F.softplus(parts['a'].to(dtype) + self.dt_bias).transpose(1, 2)
         beta = torch.sigmoid(parts['beta'].to(dtype)).transpose(1, 2) if self.delta else torch.ones_like(g)

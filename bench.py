@@ -512,7 +512,8 @@ def main(argv=None):
         os.makedirs(args.out, exist_ok=True)  # only once every argument is checked
         tempfile.TemporaryFile(dir=args.out).close()  # writable? (os.access says yes to root, even in /sys)
     except ValueError as e:
-        p.error(str(e))
+        hint = " (that is config/hybrid.py's 'hybrid': leave it out with --layouts)" if HYBRID in str(e) else ''
+        p.error(str(e) + hint)
     except OSError as e:
         p.error(f"--out {args.out!r}: {e.strerror}; give a folder to write the results in")
     torch.manual_seed(0)

@@ -86,7 +86,8 @@ class GPTConfig:
     def pattern(self):
         """'gated_deltanet*3+gqa' -> [gated_deltanet, gated_deltanet, gated_deltanet, gqa]; [] if not one."""
         parts = [p.partition('*') for p in self.attn.split('+')] if isinstance(self.attn, str) else [('', '', '')]
-        ok = all(name in ATTN_LAYOUTS and (not star or n.isdigit() and int(n) > 0) for name, star, n in parts)
+        ok = all(name in ATTN_LAYOUTS and (not star or n.isascii() and n.isdigit() and 0 < int(n[:7]) < 10 ** 6)
+                 for name, star, n in parts)  # (a count of a million layers is refused before it is built)
         return [name for name, _, n in parts for _ in range(int(n or 1))] if ok else []
 
     @property
@@ -262,7 +263,8 @@ def linear_chunked(q, k, v, g, beta, S, delta, chunk_size):
     The delta rule's u solve one unit-lower-triangular system per chunk (the WY / UT form, Yang et al. 2024):
         (I + A) U = diag(β) (V - diag(e^G) K S_0),   A_ij = β_i e^{G_i - G_j} (k_i · k_j) for j < i."""
     B, H, T, _ = q.shape
-    C, N = chunk_size, -(-T // chunk_size)  # N chunks of C steps, the last one padded: zero keys write nothing
+    C = min(chunk_size, T)
+    N = -(-T // C)  # N chunks of C steps, the last one padded: zero keys write nothing
     chunks = lambda x, *d: (F.pad(x, (*d, 0, N * C - T)) if N * C > T else x).unflatten(2, (N, C))
     q, k, v, G, beta = chunks(q, 0, 0), chunks(k, 0, 0), chunks(v, 0, 0), chunks(g), chunks(beta)  # (B, nh, N, C, .)
     G = G.cumsum(-1)[..., None]                                                       # (B, nh, N, C, 1)

@@ -159,6 +159,8 @@ def test_bad_arguments_are_one_line(tmp_path, capsys, monkeypatch):
                       (['cache', 'foo'], "extra arguments ['foo'] not for cache"),
                       (['train', '--n_layer=1'], "--n_layer not for train (train.py's keys go after --"),
                       (['decode', '--', '--n_layer=1'], "extra arguments ['--n_layer=1'] not for decode"),
+                      (['decode', '--n_layer=2'], "more than n_layer=2 (that is config/hybrid.py's 'hybrid': leave it "
+                                                  "out with --layouts)"),
                       (['convert', '--nanogpt=bench.py'], "--nanogpt not for convert"),
                       (['convert', '--layouts=mha'], "--layouts not for convert"),
                       (['train', '--', '--out_dir=x'], "--out_dir=x: bench.py sets that itself"),

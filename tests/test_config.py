@@ -10,6 +10,8 @@ BAD = [
     (dict(attn='gated_deltanet*3+gqa', n_layer=3), r"attn.*has 4 layers, more than n_layer=3"),  # does not fit
     (dict(attn='deltanet*0+gqa'), r"attn.*hybrid"), (dict(attn='deltanet*x+gqa'), r"attn.*hybrid"),
     (dict(attn='deltanet+'), r"attn.*hybrid"), (dict(attn=3), r"attn=3 is invalid"),
+    (dict(attn='mha*99999999999'), r"attn.*hybrid"), (dict(attn='mha*\u00b2'), r"attn.*hybrid"),  # refused unbuilt
+    (dict(attn='mha*\uff13'), r"attn.*hybrid"),  # a full-width 3: ASCII digits only
     (dict(attn='deltanet+gqa+mla'), r"mixes softmax layouts"),
     (dict(attn='mamba2+gqa', n_kv_head=4), r"n_kv_head.*n_head=6 allows \[2, 3\]"),  # the hybrid's GQA rule
     (dict(attn='deltanet', n_kv_head=2), r"n_kv_head.*allows \[6\] \(or 0, its default\)$"),  # a field it does not use

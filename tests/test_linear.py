@@ -171,3 +171,12 @@ def test_float32_state_in_a_bf16_model_and_under_autocast(layout):
     assert all(b.dtype == torch.float32 for layer in cache.layers for b in layer.bufs)
     full = model(idx, targets=idx)[0]
     assert ((logits.float() - full).norm() / full.norm()).item() < 0.05  # bf16 projections only
+
+
+def test_a_chunk_longer_than_the_sequence_is_the_sequence():
+    """chunk_size > T works in one chunk of T (no padding up to chunk_size: a huge chunk_size must not allocate it)."""
+    q, k, v, g, beta, S0 = inputs(seed=5)
+    ref, S_ref = linear_chunked(q, k, v, g, beta, S0, True, T)
+    out, S = linear_chunked(q, k, v, g, beta, S0, True, 10 ** 9)
+    torch.testing.assert_close(out, ref, atol=0, rtol=0)
+    torch.testing.assert_close(S, S_ref, atol=0, rtol=0)

@@ -150,7 +150,10 @@ def test_mqar_prepare_writes_every_n_and_refuses_bad_input(tmp_path):
     assert r.returncode == 0, r.stderr
     data = np.load(tmp_path / 'mqar.npz')
     assert data['train_x_2'].shape == (30, 12) and data['val_y_6'].shape == (7, 12)  # padded to 2 max(N)
-    assert json.loads((tmp_path / 'meta.json').read_text())['pairs'] == [2, 6]
-    for bad in ('--pairs=0', '--pairs=33', '--pairs=x', '--train=0'):
+    assert json.loads((tmp_path / 'mqar.json').read_text())['pairs'] == [2, 6]
+    (tmp_path / 'meta.json').write_text('another data set')  # never overwritten: MQAR writes mqar.json
+    for bad in ('--pairs=0', '--pairs=33', '--pairs=x', '--train=0', '--seed=-1', '--train=99999999'):
         r = subprocess.run([sys.executable, script, bad, f'--out_dir={tmp_path}'], capture_output=True, text=True)
         assert r.returncode == 2 and len(r.stderr.strip().splitlines()) <= 3 and 'Traceback' not in r.stderr, r.stderr
+        assert 'python python' not in r.stderr
+    assert (tmp_path / 'meta.json').read_text() == 'another data set'

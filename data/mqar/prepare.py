@@ -45,7 +45,7 @@ def sequences(n_pairs, count, rng, length=None):
 
 
 def prepare(out_dir, pairs=(4, 8, 16, 24, 32), train=20000, val=500, seed=0):
-    """out_dir/mqar.npz: train_x_N, train_y_N, val_x_N, val_y_N per N, all padded to 2 max(N); and meta.json."""
+    """out_dir/mqar.npz: train_x_N, train_y_N, val_x_N, val_y_N per N, all padded to 2 max(N); and mqar.json."""
     rng, length = np.random.default_rng(seed), 2 * max(pairs)
     arrays = {}
     for n in pairs:
@@ -60,25 +60,27 @@ def prepare(out_dir, pairs=(4, 8, 16, 24, 32), train=20000, val=500, seed=0):
     with open(tmp + '.json', 'w') as f:
         json.dump(meta, f)
     os.replace(tmp + '.npz', os.path.join(out_dir, 'mqar.npz'))
-    os.replace(tmp + '.json', os.path.join(out_dir, 'meta.json'))
+    os.replace(tmp + '.json', os.path.join(out_dir, 'mqar.json'))  # not meta.json: never another data set's
     return os.path.join(out_dir, 'mqar.npz')
 
 
 def main():
-    count = checked(int, lambda v: v >= 1, "give an integer >= 1")
+    count = checked(int, lambda v: 1 <= v <= 10 ** 6, "give an integer from 1 to 1,000,000")
     pairs = checked(lambda s: sorted({int(x) for x in s.split(',')}), lambda v: 1 <= v[0] and v[-1] <= KEYS,
                     f"give integers from 1 to {KEYS}, comma-separated")
-    p = Parser(prog='python data/mqar/prepare.py', description=__doc__)
+    p = Parser(prog='data/mqar/prepare.py', description=__doc__)
     p.add_argument('--pairs', type=pairs, default='4,8,16,24,32', help='numbers of pairs N (default: 4,8,16,24,32)')
     p.add_argument('--train', type=count, default=20000, help='training sequences per N (default: 20000)')
     p.add_argument('--val', type=count, default=500, help='validation sequences per N (default: 500)')
-    p.add_argument('--seed', type=int, default=0, help='(default: 0)')
+    p.add_argument('--seed', type=checked(int, lambda v: v >= 0, "give an integer >= 0"), default=0, help='(default: 0)')
     p.add_argument('--out_dir', default=os.path.dirname(os.path.abspath(__file__)), help='(default: data/mqar)')
     args = p.parse_args()
     try:
         print(f"wrote {prepare(args.out_dir, args.pairs, args.train, args.val, args.seed)}")
     except OSError as e:
         p.error(f"--out_dir {args.out_dir!r}: {e.strerror or e}")
+    except MemoryError:
+        p.error(f"--train={args.train} and --val={args.val}: more sequences than this machine's memory holds")
 
 
 if __name__ == '__main__':

@@ -92,7 +92,7 @@ class GPTConfig:
 
     @property
     def layouts(self):  # each layer's: the pattern repeated over n_layer (Qwen3-Next's 3:1 on 6 layers: 3, 1, 2)
-        return [self.pattern()[i % len(self.pattern())] for i in range(self.n_layer)]
+        return [p[i % len(p)] for p in [self.pattern()] for i in range(self.n_layer)]  # (parsed once)
 
     def layer_counts(self):  # {layout: its number of layers}, counted without listing them (n_layer may be huge)
         p, (full, rest) = self.pattern(), divmod(self.n_layer, len(self.pattern()))

@@ -62,7 +62,7 @@ MUTANTS = [  # (what the bug is, the fragment, its replacement)
     ("retnet: gamma_h = 1 - 2^(-5+h)", "2.0 ** (-5.0 - torch.arange(self.n_head", "2.0 ** (-5.0 + torch.arange(self.n_head"),
     ("mamba2: A ~ U[0, 16]", "torch.empty(H).uniform_(1, 16).log()", "torch.empty(H).uniform_(0, 16).log()"),
     ("mamba2: dt_bias = dt (no inverse softplus)", "dt + torch.log(-torch.expm1(-dt))", "dt"),
-    ("hybrid: pattern shifted by one layer", "[self.pattern()[i % len(self.pattern())]", "[self.pattern()[(i + 1) % len(self.pattern())]"),
+    ("hybrid: pattern shifted by one layer", "[p[i % len(p)] for p in", "[p[(i + 1) % len(p)] for p in"),
     ("MLA: query bottleneck of width d_c", "r = config.q_lora_rank  #", "r = config.q_lora_rank and config.kv_lora_rank  #"),
     ("dropout on in eval (MLA)", "dropout_p = self.dropout if self.training else 0.0", "dropout_p = self.dropout"),
     ("learned positions keep N(0, 1)", "if isinstance(module, (nn.Linear, nn.Embedding)):", "if isinstance(module, nn.Linear):"),

@@ -379,7 +379,7 @@ def mqar_report(args):
     sizes = dict(n_layer=2, n_head=4, n_embd=d, vocab_size=VOCAB, block_size=train_x.size(1), chunk_size=32,
                  match_mha_params=True)
     attn_of = {**LAYOUTS, 'hybrid': 'gated_deltanet+gqa'}  # 2 layers: the hybrid is 1:1
-    acc, batch, lr = {}, 32, 3e-3
+    acc, batch, lr = {}, 32, args.lr
     for name in args.layouts:
         progress(f"mqar: {name}, {args.max_iters} steps")
         torch.manual_seed(0)
@@ -415,7 +415,7 @@ def mqar_report(args):
                      for name in args.layouts])
     untrained = table(['rewrite (one head, no training)', *[f"N={n}" for n in pairs]],
                       [f"| {r} | " + " | ".join(f"{100 * recall[r, n]:.1f}%" for n in pairs) + " |" for r in rules])
-    return (f"`{command(args, f'--max_iters={args.max_iters}')}` on {machine()}: data/mqar/prepare.py's data (one token "
+    return (f"`{command(args, f'--max_iters={args.max_iters}', f'--lr={lr:g}')}` on {machine()}: data/mqar/prepare.py's data (one token "
             f"a pair, then every key queried; {train_x.size(0):,} training sequences of {train_x.size(1)} tokens, "
             f"N = {', '.join(map(str, pairs))} mixed), a {sizes['n_layer']}-layer model per layout ({sizes['n_head']} "
             f"heads, n_embd {d}, head_dim d_k = {head_dim}, MLP sized to MHA's parameter count; hybrid = "
@@ -453,7 +453,7 @@ def main(argv=None):
             ('train, convert, mqar', 'max_iters', None, count, "iterations (MHA's for convert): 2000, train on cuda 5000"),
             ('train', 'nanogpt', None, str, "nanoGPT's model.py, to time its step next to ours"),
             ('convert', 'fractions', '0,0.01,0.025,0.05,0.1', fractions, 'uptraining, fractions of max_iters'),
-            ('convert', 'lr', 1e-3, positive, 'peak learning rate of uptraining'),
+            ('convert, mqar', 'lr', 1e-3, positive, 'peak learning rate (MQAR at 3e-3: the linear layouts at chance)'),
             ('decode', 'n_layer', 6, count, 'layers'), ('decode', 'n_head', 6, count, 'heads'),
             ('decode', 'n_embd', 384, count, 'width'), ('decode', 'batch', 16, count, 'batch of the roofline'),
             ('decode', 't', 2048, count, 'context of the roofline'),

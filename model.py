@@ -44,6 +44,7 @@ class GPTConfig:
     rope_head_dim: int = 0     # MLA d_R, the decoupled rope query/key; 0 = head_dim / 2 (even, >= 2)
     q_lora_rank: int = 0       # MLA query compression; 0 = off (as DeepSeek-V2-Lite)
     chunk_size: int = 64       # linear layouts: chunk of the chunkwise-parallel training form
+    conv_size: int = 4         # linear layouts but 'linear': a causal depthwise conv on q, k, v over this many tokens
     match_mha_params: bool = False  # widen/narrow the MLP so the model has MHA's parameter count
 
     def __post_init__(self):
@@ -51,7 +52,8 @@ class GPTConfig:
         rules = [('attn', lambda v: isinstance(v, str) and bool(self.pattern()),
                   f"must be one of {ATTN_LAYOUTS}, or a hybrid of them like 'gated_deltanet*3+gqa'"),  # (field, test, rule)
                  ('pos_emb', lambda v: v in ('rope', 'learned'), "must be one of ('rope', 'learned')"),
-                 *[(f, *whole(1)) for f in ('block_size', 'vocab_size', 'n_layer', 'n_head', 'n_embd', 'chunk_size')],
+                 *[(f, *whole(1)) for f in ('block_size', 'vocab_size', 'n_layer', 'n_head', 'n_embd', 'chunk_size',
+                                            'conv_size')],
                  *[(f, *whole(0)) for f in ('n_kv_head', 'q_lora_rank', 'kv_lora_rank', 'rope_head_dim')],
                  ('dropout', lambda v: 0.0 <= v < 1.0, "must be in [0, 1)"),
                  ('rope_base', lambda v: v > 0, "must be > 0"),
@@ -110,9 +112,11 @@ class GPTConfig:
         """Elements a cache holds after T tokens (batch 1): the table of the README; all layers, or one layout's."""
         if layout is None:
             return sum(n * self.cache_elements(T, a) for a, n in self.layer_counts().items())
-        hd = self.head_dim  # a linear layout: a state (d_k, d_v) per head whatever T; Katharopoulos adds its z
+        hd = self.head_dim  # a linear layout: a state (d_k, d_v) per head whatever T; Katharopoulos adds its z,
+        if layout == 'linear':  # the others the conv's last conv_size - 1 inputs
+            return self.n_head * hd * (hd + 1)
         if layout in LINEAR_RULES:
-            return self.n_head * hd * (hd + (layout == 'linear'))
+            return self.n_head * hd * hd + 3 * self.n_embd * (self.conv_size - 1)
         return (self.kv_lora_rank + self.rope_head_dim) * T if layout == 'mla' else 2 * self.n_kv_head * hd * T
 
     def cache_bytes(self, T, dtype=torch.float32):  # linear layouts keep their state in float32 at least
@@ -255,7 +259,7 @@ def linear_step(q, k, v, g, beta, S, delta):
     S = S + k.transpose(-2, -1) @ v            # write: S_t = α_t S_{t-1} (I - β_t k_t k_tᵀ) + β_t k_t v_tᵀ
     return q @ S, S
 
-def linear_chunked(q, k, v, g, beta, S, delta, chunk_size):
+def linear_chunked(q, k, v, g, beta, S, delta, chunk_size, keep_state=True):
     """Training, prefill: the same update over chunks of C tokens, matrix products inside a chunk and the state
     between chunks. Inside chunk n, with G_i = Σ_{j<=i} g_j (log of the decay since the chunk began) and u_i what
     token i writes (v_i, or for the delta rule the corrected β_i (v_i - S_{i-1} k_i)):
@@ -274,19 +278,23 @@ def linear_chunked(q, k, v, g, beta, S, delta, chunk_size):
     if delta:
         A = (beta[..., None] * k) @ k.transpose(-2, -1) * decay  # the solve reads only j < i
     out = []
-    for n in range(N):  # the state carried across chunks
+    for n in range(N):  # the state carried across chunks; None is zero (training), whose products are skipped
         u, eG = v[:, :, n], G[:, :, n].exp()                                          # (B, nh, C, d_v), (B, nh, C, 1)
         if delta:  # the errors of the memory on each key, corrected for the writes before it in the chunk
-            err = beta[:, :, n, :, None] * (u - eG * (k[:, :, n] @ S))
+            err = beta[:, :, n, :, None] * (u if S is None else u - eG * (k[:, :, n] @ S))
             u = torch.linalg.solve_triangular(A[:, :, n], err, upper=False, unitriangular=True)  # (I + A)⁻¹ err
-        out.append(eG * (q[:, :, n] @ S) + scores[:, :, n] @ u)
-        S = eG[:, :, -1:] * S + ((G[:, :, n, -1:] - G[:, :, n]).exp() * k[:, :, n]).transpose(-2, -1) @ u
+        y = scores[:, :, n] @ u
+        out.append(y if S is None else y + eG * (q[:, :, n] @ S))
+        if n < N - 1 or keep_state:
+            write = ((G[:, :, n, -1:] - G[:, :, n]).exp() * k[:, :, n]).transpose(-2, -1) @ u
+            S = write if S is None else eG[:, :, -1:] * S + write
     return torch.cat(out, 2)[:, :, :T], S
 
 class LinearAttention(Attention):
     """The linear layouts: no softmax, no RoPE; a float32 state per head, S (d_k, d_v), is the whole cache. 'linear'
     (Katharopoulos): phi = elu + 1 and a normalizer z = Σ phi(k), S's last column (v gets a channel of ones). The
-    others, as Gated DeltaNet: q, k = L2norm(SiLU(.)), q / sqrt(d_k), the output RMS-normed per head, SiLU-gated."""
+    others, as Gated DeltaNet: q, k, v = SiLU(a causal depthwise conv over the last conv_size tokens), whose inputs
+    are cached too; q, k L2-normed, q / sqrt(d_k); the output RMS-normed per head, SiLU-gated."""
 
     def __init__(self, config, layout):
         super().__init__(config)
@@ -300,25 +308,34 @@ class LinearAttention(Attention):
             dt = torch.empty(H).uniform_(math.log(1e-3), math.log(0.1)).exp()
             self.dt_bias = nn.Parameter(dt + torch.log(-torch.expm1(-dt)))  # the inverse of softplus
         if not self.normalizer:
+            K = config.conv_size  # the short conv's taps, per channel of q, k, v; nn.Conv1d's init
+            self.conv = nn.Parameter(torch.empty(K, 3 * C).uniform_(-K ** -0.5, K ** -0.5))
             self.o_norm = nn.RMSNorm(self.head_dim, eps=1e-6)
         self.c_proj = nn.Linear(C, C, bias=config.bias)
 
     def forward(self, x, rope, pos, cache=None):
         (B, L, _), H, f32 = x.shape, self.n_head, torch.promote_types(x.dtype, torch.float32)
         parts = dict(zip(self.parts, self.c_attn(x).split(list(self.parts.values()), dim=-1)))
-        q, k, v = self.heads(parts['qkv'], 3 * H).to(f32).split(H, dim=1)           # (B, nh, L, hs) each
-        if self.normalizer:
-            q, k, v = phi(q), phi(k), F.pad(v, (0, 1), value=1.0)  # v's last channel of ones sums z = Σ phi(k)
-        else:
-            q, k = F.normalize(F.silu(torch.cat([q, k], 1)), dim=-1).split(H, dim=1)
-            q = q * self.head_dim ** -0.5
-        g, beta = self.knob(parts, B, L, f32)                    # (B, nh, L) each; state, gates and solve in f32
-        S = cache.bufs[0] if cache is not None else self.init_cache(B, 0, f32, x.device).bufs[0]
-        with torch.autocast(x.device.type, enabled=False):  # decode: one step; else chunkwise-parallel
-            y, new_S = (linear_step(q, k, v, g, beta, S, self.delta) if L == 1 else
-                        linear_chunked(q, k, v, g, beta, S, self.delta, self.config.chunk_size))
-        if cache is not None:
-            S.copy_(new_S)  # in place: the state keeps its address (CUDA graphs)
+        no_cache = [None, x.new_zeros(B, self.config.conv_size - 1, 3 * self.config.n_embd, dtype=f32)]
+        S, *seen = cache.bufs if cache is not None else no_cache  # the state (None: zero) and the conv's last inputs
+        with torch.autocast(x.device.type, enabled=False):  # the conv, the gates, the state and the solve in f32
+            qkv = parts['qkv'].to(f32)                                                 # (B, L, 3 n_embd)
+            if not self.normalizer:  # c_t = Σ_j w_j x_{t-K+1+j}: the conv sees the K - 1 inputs before these L, cached
+                seen = torch.cat([seen[0], qkv], 1)                                    # (B, K - 1 + L, 3 n_embd)
+                qkv = F.silu(sum(w * seen[:, j:j + L] for j, w in enumerate(self.conv.to(f32))))
+            q, k, v = self.heads(qkv, 3 * H).split(H, dim=1)                           # (B, nh, L, hs) each
+            if self.normalizer:
+                q, k, v = phi(q), phi(k), F.pad(v, (0, 1), value=1.0)  # v's last channel of ones sums z = Σ phi(k)
+            else:
+                q, k = F.normalize(torch.cat([q, k], 1), dim=-1).split(H, dim=1)
+                q = q * self.head_dim ** -0.5
+            g, beta = self.knob(parts, B, L, f32)                                      # (B, nh, L) each
+            y, new_S = (linear_step(q, k, v, g, beta, S, self.delta) if L == 1 and S is not None else  # decode
+                        linear_chunked(q, k, v, g, beta, S, self.delta, self.config.chunk_size, S is not None))
+        if cache is not None:  # in place: the buffers keep their addresses (CUDA graphs)
+            S.copy_(new_S)
+            if not self.normalizer:
+                cache.bufs[1].copy_(seen[:, L:])  # the last K - 1 inputs
         if self.normalizer:
             return self.out((y[..., :-1] / (y[..., -1:] + 1e-6)).type_as(x))
         return self.out(self.o_norm(y.type_as(x)) * F.silu(self.heads(parts['gate'], H)))
@@ -335,7 +352,8 @@ class LinearAttention(Attention):
 
     def init_cache(self, batch_size, capacity, dtype, device):
         S = (batch_size, self.n_head, self.head_dim, self.head_dim + self.normalizer)  # + z for Katharopoulos
-        return LayerCache([S], torch.promote_types(dtype, torch.float32), device, grows=False)
+        seen = [] if self.normalizer else [(batch_size, self.config.conv_size - 1, 3 * self.config.n_embd)]
+        return LayerCache([S, *seen], torch.promote_types(dtype, torch.float32), device, grows=False)
 
 class MultiHeadLatentAttention(Attention):
     """DeepSeek-V2 MLA. K and V come from a small latent c = norm(W_DKV h), shared by all heads;

@@ -23,7 +23,7 @@ import signal
 import sys
 import time
 from contextlib import nullcontext
-from dataclasses import asdict, fields
+from dataclasses import asdict, fields, replace
 
 # Ctrl-C and SIGTERM (what `kill` and schedulers send) only set a flag (raising inside torch's import or a save
 # could abort the process or break a file): checked before the training loop (exit, nothing written), at every
@@ -87,6 +87,7 @@ kv_lora_rank = 0                # MLA d_c; 0 = 4 * head_dim (DeepSeek-V2's ratio
 rope_head_dim = 0               # MLA d_R; 0 = head_dim / 2
 q_lora_rank = 0                 # MLA query compression; 0 = off
 chunk_size = 64                 # the linear layouts: chunk of the chunkwise training form
+conv_size = 4                   # the linear layouts but 'linear': the short causal conv's width on q, k, v
 match_mha_params = False        # widen/narrow the MLP to MHA's parameter count
 # AdamW and the learning-rate schedule (linear warmup, cosine decay to min_lr)
 learning_rate = 1e-3            # peak learning rate
@@ -277,6 +278,7 @@ if init_from == 'resume':
     if checkpoint.get('meta') != meta:  # the same tokens, not only as many
         fail(f"{resume_path} was trained on another vocabulary ({saved.vocab_size} tokens) than the data in {data_dir} "
              f"({asked.vocab_size}); resume with its --dataset / --data_dir or change out_dir")
+    saved = replace(saved, chunk_size=asked.chunk_size)  # the same weights, computed in chunks of any size
     if flags(saved, asked):
         fail(f"{resume_path} is another model ({', '.join(flags(saved, asked))} in it); add those settings to "
              f"resume it, or change out_dir")
@@ -346,7 +348,8 @@ flops_per_token = 6 * raw_model.get_num_params() + 12 * gptconf.n_layer * gptcon
 if master_process:
     print(f"tokens per iteration will be: {tokens_per_iter:,}")
     print(f"{gptconf.attn}: {raw_model.get_num_params() / 1e6:.2f}M parameters, "
-          f"KV cache {cache_bytes_per_token:,.0f} bytes/token at block_size {block_size} ({dtype})")
+          f"cache {cache_bytes_per_token:,.0f} bytes/token at block_size {block_size} ({dtype})"
+          + (" (a fixed state: the bytes shrink as the context grows)" if not gptconf.softmax else ""))
 
 
 @torch.no_grad()

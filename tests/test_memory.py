@@ -12,12 +12,13 @@ H_KV = {'mha': 4, 'gqa': 2, 'mqa': 1}
 
 def table_layer_elements(layout, T):
     """One layer of the README's table, written out: K and V of h_kv heads per token, MLA's d_c + d_R per token, or a
-    linear layout's fixed state: d_k x d_v per head (Katharopoulos one column more, its normalizer z)."""
+    linear layout's fixed state: d_k x d_v per head (Katharopoulos one column more, its normalizer z; the others
+    the short conv's last conv_size - 1 = 3 inputs of q, k and v, 3 * n_embd each)."""
     if layout in H_KV:
         return 2 * H_KV[layout] * DK * T
     if layout == 'mla':
         return (16 + 4) * T  # d_c + d_R
-    return H * DK * (DK + (layout == 'linear'))
+    return H * DK * (DK + 1) if layout == 'linear' else H * DK * DK + 3 * (3 * H * DK)
 
 
 @pytest.mark.parametrize('dtype', [torch.float32, torch.float64, torch.bfloat16, torch.float16])

@@ -224,20 +224,28 @@ def test_mla_equals_the_deepseek_equations(kw):
     assert not torch.allclose(mla_ref(attn, x, model.config.rope_base, rotate_keys=False), ref, atol=1e-3)
 
 
-def delta_family_ref(attn, x, layout, erase=True, forget=True, gamma_sign=1.0):
+def delta_family_ref(attn, x, layout, erase=True, forget=True, gamma_sign=1.0, flip=False):
     """The state-update papers, token by token, in their orientation (S is d_v x d_k, o_t = S_t q_t):
     RetNet (Sun et al. 2023)       S_t = γ_h S_{t-1} + v_t k_tᵀ,  γ_h = 1 - 2^(-5-h);
     Mamba-2 (Dao & Gu 2024)        S_t = α_t S_{t-1} + v_t k_tᵀ,  α_t = exp(-exp(A_log) softplus(W_a x_t + dt_bias));
     DeltaNet (Yang et al. 2024)    S_t = S_{t-1} (I - β_t k_t k_tᵀ) + β_t v_t k_tᵀ,  β_t = σ(W_β x_t);
     Gated DeltaNet (Yang et al.)   S_t = α_t S_{t-1} (I - β_t k_t k_tᵀ) + β_t v_t k_tᵀ;
-    with Gated DeltaNet's layer around it: q, k = L2norm(SiLU(W x)), q / sqrt(d_k), o = RMSNorm(o) * SiLU(W_g x)."""
+    with Gated DeltaNet's layer around it: a causal depthwise conv of width K, c_t = Σ_j w_j ⊙ (W x)_{t-K+1+j}
+    (zeros before the first token), then q, k = L2norm(SiLU(c)), q / sqrt(d_k), v = SiLU(c), o = RMSNorm(o) * SiLU(W_g x)."""
     B, T, C = x.shape
     H, d = attn.n_head, attn.head_dim
     silu = lambda t: t * torch.sigmoid(t)
     unit = lambda t: t / t.norm(dim=-1, keepdim=True)
-    q, k, v, gate, *knobs = linear(x, attn.c_attn).split([C, C, C, C, H, H][:len(attn.parts) + 2], -1)  # W_a x, W_β x
-    q, k, v = (t.view(B, T, H, d) for t in (q, k, v))
-    q, k = unit(silu(q)) / math.sqrt(d), unit(silu(k))
+    qkv, gate, *knobs = linear(x, attn.c_attn).split([3 * C, C, H, H][:len(attn.parts)], -1)  # W_a x, W_β x
+    w = attn.conv.flip(0) if flip else attn.conv  # (K, 3C)
+    K = w.size(0)
+    conv = torch.zeros_like(qkv)
+    for t in range(T):
+        for j in range(K):
+            if t - K + 1 + j >= 0:
+                conv[:, t] += w[j] * qkv[:, t - K + 1 + j]
+    q, k, v = (silu(t).view(B, T, H, d) for t in conv.split(C, -1))
+    q, k = unit(q) / math.sqrt(d), unit(k)
     alpha = torch.ones(B, T, H, dtype=x.dtype)
     if layout == 'retnet' and forget:
         alpha = alpha * (1 - 2.0 ** (-5.0 - gamma_sign * torch.arange(H, dtype=x.dtype)))
@@ -268,7 +276,8 @@ def test_linear_attention_equals_katharopoulos(kw):
 BROKEN = {  # per rule, copies of the paper with one thing wrong: each must differ from the model
     'retnet': [dict(forget=False), dict(gamma_sign=-1.0)],  # no decay; γ_h for the heads in reverse order
     'mamba2': [dict(forget=False)],
-    'deltanet': [dict(erase=False)],                        # β v kᵀ added, the old value on k never erased
+    'deltanet': [dict(erase=False), dict(flip=True)],       # β v kᵀ added, the old value on k never erased; the
+                                                            # conv's taps in reverse order
     'gated_deltanet': [dict(erase=False), dict(forget=False)],
 }
 

@@ -82,7 +82,7 @@ def test_bfloat16_on_cpu_trains_in_bfloat16(tmp_path, char_data):
     """--dtype=bfloat16 on CPU runs under autocast (it silently trained float32 while logging a 16-bit cache)."""
     runs = {d: train(tmp_path / d, char_data, '--max_iters=3', '--eval_interval=3', f'--dtype={d}')
             for d in ('float32', 'bfloat16')}
-    cache = {d: int(re.search(r"KV cache ([\d,]+) bytes/token", r.stdout).group(1).replace(',', '')) for d, r in runs.items()}
+    cache = {d: int(re.search(r"cache ([\d,]+) bytes/token", r.stdout).group(1).replace(',', '')) for d, r in runs.items()}
     assert cache['float32'] == 2 * cache['bfloat16'] > 0
     losses = {d: [m['val/loss'] for m in metrics(tmp_path / d) if 'val/loss' in m] for d in runs}
     assert all(map(math.isfinite, losses['bfloat16'])) and losses['bfloat16'] != losses['float32']
@@ -105,6 +105,18 @@ def test_resume_continues_from_the_saved_iteration(tmp_path, char_data):
     a, b = (torch.load(d / 'ckpt.pt', weights_only=True) for d in (straight, split))
     assert a['iter_num'] == b['iter_num'] == 40
     assert all(torch.equal(a['model'][k], b['model'][k]) for k in a['model'])
+
+
+def test_resume_may_change_the_chunk_size(tmp_path, char_data):
+    """chunk_size is how a linear layout computes, not what it learns: a resume may change it (it was refused)."""
+    train(tmp_path, char_data, '--attn=gated_deltanet', '--max_iters=4', '--eval_interval=2', '--chunk_size=4')
+    r = train(tmp_path, char_data, '--attn=gated_deltanet', '--max_iters=6', '--eval_interval=2', '--chunk_size=3',
+              '--init_from=resume')
+    assert 'resuming from' in r.stdout and metrics(tmp_path)[-1]['iter'] == 6
+    r = subprocess.run([sys.executable, 'train.py', *TINY, f'--out_dir={tmp_path}', f'--data_dir={char_data}',
+                        '--attn=gated_deltanet', '--max_iters=8', '--conv_size=2', '--init_from=resume'],
+                       cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert r.returncode != 0 and "is another model (--conv_size=4 in it)" in r.stderr  # the conv's width is a weight
 
 
 def wandb_records(run_dir, *flags):

@@ -509,7 +509,7 @@ def main(argv=None):
             raise ValueError(f"{args.mode} runs train.py and config/ from here: run bench.py in its own folder")
         if args.readme and not (start in readme and end in readme):
             raise ValueError(f"no README.md here with a '{start}' ... '{end}' section to rewrite")
-        os.makedirs(args.out, exist_ok=True)  # only once every argument is checked
+        os.makedirs(os.path.join(args.out, 'mqar') if args.mode == 'mqar' else args.out, exist_ok=True)  # all checked
         tempfile.TemporaryFile(dir=args.out).close()  # writable? (os.access says yes to root, even in /sys)
     except ValueError as e:
         hint = " (that is config/hybrid.py's 'hybrid': leave it out with --layouts)" if HYBRID in str(e) else ''

@@ -265,7 +265,8 @@ def linear_chunked(q, k, v, g, beta, S, delta, chunk_size, keep_state=True):
     token i writes (v_i, or for the delta rule the corrected β_i (v_i - S_{i-1} k_i)):
         o_i = e^{G_i} q_i S_0 + Σ_{j<=i} e^{G_i - G_j} (q_i · k_j) u_j,   S_C = e^{G_C} S_0 + Σ_j e^{G_C - G_j} k_j u_jᵀ.
     The delta rule's u solve one unit-lower-triangular system per chunk (the WY / UT form, Yang et al. 2024):
-        (I + A) U = diag(β) (V - diag(e^G) K S_0),   A_ij = β_i e^{G_i - G_j} (k_i · k_j) for j < i."""
+        (I + A) U = diag(β) (V - diag(e^G) K S_0),   A_ij = β_i e^{G_i - G_j} (k_i · k_j) for j < i.
+    S None is a zero state (training: its products skipped); keep_state=False skips the last chunk's write to S."""
     B, H, T, _ = q.shape
     C = min(chunk_size, T)
     N = -(-T // C)  # N chunks of C steps, the last one padded: zero keys write nothing

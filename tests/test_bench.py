@@ -137,10 +137,13 @@ def test_convert_experiment_on_a_tiny_model(tmp_path, char_data):
 
 def test_bad_arguments_are_one_line(tmp_path, capsys, monkeypatch):
     (tmp_path / 'a-file').write_text('results go in a folder')
+    (tmp_path / 'has-a-file').mkdir()
+    (tmp_path / 'has-a-file' / 'mqar').write_text('mqar writes its data in a folder of this name')
     (tmp_path / 'fake.py').write_text('class GPTConfig: pass')  # runs, but is not nanoGPT's model.py
     (tmp_path / 'quits.py').write_text('import sys; sys.exit(0)')
     for args, msg in ((['decode', f'--out={tmp_path / "a-file"}'], "File exists; give a folder to write the results in"),
                       (['train', f'--out={tmp_path / "a-file" / "sub"}'], "Not a directory; give a folder"),
+                      (['mqar', f'--out={tmp_path / "has-a-file"}'], "File exists; give a folder"),  # its mqar/ a file
                       (['decode', '--contexts=8,x'], "--contexts: '8,x': give integers >= 1"),
                       (['train', '--max_iters=0'], "--max_iters: '0': give an integer >= 1"),
                       (['train', '--device=cuda'], "device='cuda' but CUDA is not available here"),

@@ -128,13 +128,14 @@ def test_knob_shapes_and_values(layout):
 @pytest.mark.parametrize('layout', list(LINEAR_RULES))
 def test_initialisation(layout):
     """Mamba-2's: A = exp(A_log) ~ U[1, 16], softplus(dt_bias) = dt ~ logU[1e-3, 0.1], per head; GPT-2's 0.02 for the
-    one projection (q, k, v, then the output gate, W_a, W_β: only those the rule uses); the output norm starts at 1."""
+    one projection (q, k, v, then the output gate, W_a, W_β: only those the rule uses); the output norm starts at 1;
+    the short conv's taps as nn.Conv1d's, U[-1/sqrt(K), 1/sqrt(K)] for K = conv_size = 4."""
     torch.manual_seed(0)
     attn = layer(layout, n_head=64, n_embd=256)
     forget, delta = LINEAR_RULES[layout]
     names = {n for n, _ in attn.named_parameters()}
     assert ('A_log' in names) == ('dt_bias' in names) == (forget == 'gate')
-    assert ('o_norm.weight' in names) == (layout != 'linear')
+    assert ('o_norm.weight' in names) == ('conv' in names) == (layout != 'linear')
     rows = 3 * 256 + 256 * (layout != 'linear') + 64 * (forget == 'gate') + 64 * delta
     assert list(attn.parts.values()) == [n for n in (768, 256 * (layout != 'linear'), 64 * (forget == 'gate'), 64 * delta) if n]
     assert attn.c_attn.weight.shape == (rows, 256) and abs(attn.c_attn.weight.std().item() - 0.02) < 0.001
@@ -145,6 +146,8 @@ def test_initialisation(layout):
         assert 1e-3 * 0.999 <= dt.min() and dt.max() <= 0.1 * 1.001 and dt.max() / dt.min() > 10  # log-uniform
     if layout != 'linear':
         assert torch.equal(attn.o_norm.weight, torch.ones(4))  # head_dim = 256 / 64
+        w = attn.conv  # (K, 3 n_embd): a tap per channel of q, k and v
+        assert w.shape == (4, 768) and 0.49 < w.abs().max() <= 0.5 and abs(w.std().item() - 0.5 / math.sqrt(3)) < 0.01
 
 
 # --- dtypes: the state, the gates and the solves in float32 at least ------------------------------------------

@@ -292,7 +292,7 @@ def linear_chunked(q, k, v, g, beta, S, delta, chunk_size, keep_state=True):
     return torch.cat(out, 2)[:, :, :T], S
 
 class LinearAttention(Attention):
-    """The linear layouts: no softmax, no RoPE; a float32 state per head, S (d_k, d_v), is the whole cache. 'linear'
+    """The linear layouts: no softmax, no RoPE; the cache is a float32 state per head, S (d_k, d_v). 'linear'
     (Katharopoulos): phi = elu + 1 and a normalizer z = Σ phi(k), S's last column (v gets a channel of ones). The
     others, as Gated DeltaNet: q, k, v = SiLU(a causal depthwise conv over the last conv_size tokens), whose inputs
     are cached too; q, k L2-normed, q / sqrt(d_k); the output RMS-normed per head, SiLU-gated."""

@@ -244,6 +244,27 @@ class CausalSelfAttention(Attention):
         shape = (batch_size, self.n_kv_head, capacity, self.head_dim)
         return LayerCache([shape, shape], dtype, device)
 
+class ShortConv(torch.autograd.Function):
+    """The causal depthwise conv c_t = Σ_j w_j x_{t-K+1+j}, w (K, C), over x (B, K - 1 + L, C): these L inputs and the
+    K - 1 before them. Its backward written out: autograd's, through K shifted slices, zero-fills and adds x K times."""
+
+    @staticmethod
+    def forward(ctx, x, w):
+        ctx.save_for_backward(x, w)
+        L = x.size(1) - w.size(0) + 1
+        c = x[:, :L] * w[0]                                                    # (B, L, C)
+        for j in range(1, w.size(0)):
+            c.addcmul_(x[:, j:j + L], w[j])
+        return c
+
+    @staticmethod
+    def backward(ctx, dc):
+        x, w = ctx.saved_tensors
+        dx, L = torch.zeros_like(x), dc.size(1)
+        for j in range(w.size(0)):
+            dx[:, j:j + L].addcmul_(dc, w[j])
+        return dx, torch.stack([(dc * x[:, j:j + L]).sum((0, 1)) for j in range(w.size(0))])
+
 def phi(x):
     """elu(x) + 1 > 0, computed in float32 at least: in bf16 elu(x) + 1 rounds to 0 near x = -8."""
     x = x.to(torch.promote_types(x.dtype, torch.float32))
@@ -253,7 +274,8 @@ def phi(x):
 
 def linear_step(q, k, v, g, beta, S, delta):
     """One token (decode), q, k (B, nh, 1, d_k), v (B, nh, 1, d_v): S <- α S (I - β k kᵀ) + β v kᵀ, o = q S."""
-    S = S * g.exp()[..., None]                 # forget: α_t S_{t-1}
+    if g is not None:                          # forget: α_t S_{t-1} (g None: α = 1)
+        S = S * g.exp()[..., None]
     if delta:                                  # correct: write the error of the memory on k_t, at rate β_t
         v = beta[..., None] * (v - k @ S)
     S = S + k.transpose(-2, -1) @ v            # write: S_t = α_t S_{t-1} (I - β_t k_t k_tᵀ) + β_t k_t v_tᵀ
@@ -271,25 +293,28 @@ def linear_chunked(q, k, v, g, beta, S, delta, chunk_size, keep_state=True):
     C = min(chunk_size, T)
     N = -(-T // C)  # N chunks of C steps, the last one padded: zero keys write nothing
     chunks = lambda x, *d: (F.pad(x, (*d, 0, N * C - T)) if N * C > T else x).unflatten(2, (N, C))
-    q, k, v, G, beta = chunks(q, 0, 0), chunks(k, 0, 0), chunks(v, 0, 0), chunks(g), chunks(beta)  # (B, nh, N, C, .)
-    G = G.cumsum(-1)[..., None]                                                       # (B, nh, N, C, 1)
+    q, k, v, beta = chunks(q, 0, 0), chunks(k, 0, 0), chunks(v, 0, 0), chunks(beta)   # (B, nh, N, C, .)
     causal = torch.ones(C, C, dtype=torch.bool, device=q.device).tril()
-    decay = (G - G.transpose(-2, -1)).masked_fill(~causal, -math.inf).exp()  # e^{G_i - G_j}; mask, then exp: no inf * 0
+    if g is None:  # α = 1: nothing decays, the mask is all that is left of e^{G_i - G_j}
+        G, decay = q.new_zeros(B, H, N, C, 1), causal.to(q.dtype)
+    else:  # e^{G_i - G_j}, masked by adding -inf before the exp: no inf * 0, and nothing to undo in the backward
+        G = chunks(g).cumsum(-1)[..., None]                                           # (B, nh, N, C, 1)
+        decay = (G - G.transpose(-2, -1) + torch.zeros_like(causal, dtype=q.dtype).masked_fill(~causal, -math.inf)).exp()
     scores = q @ k.transpose(-2, -1) * decay                                          # (B, nh, N, C, C)
     if delta:
         A = (beta[..., None] * k) @ k.transpose(-2, -1) * decay  # the solve reads only j < i
-    out = []
-    for n in range(N):  # the state carried across chunks; None is zero (training), whose products are skipped
-        u, eG = v[:, :, n], G[:, :, n].exp()                                          # (B, nh, C, d_v), (B, nh, C, 1)
+    out, each = [], (x.unbind(2) for x in (q, k, v, G, beta, scores, A if delta else scores))  # (a slice's backward
+    for n, (q, k, u, G, beta, scores, A) in enumerate(zip(*each)):  # would zero-fill its whole tensor); chunk n's
+        eG = G.exp()                                                                  # (B, nh, C, 1)
         if delta:  # the errors of the memory on each key, corrected for the writes before it in the chunk
-            err = beta[:, :, n, :, None] * (u if S is None else u - eG * (k[:, :, n] @ S))
-            u = torch.linalg.solve_triangular(A[:, :, n], err, upper=False, unitriangular=True)  # (I + A)⁻¹ err
-        y = scores[:, :, n] @ u
-        out.append(y if S is None else y + eG * (q[:, :, n] @ S))
-        if n < N - 1 or keep_state:
-            write = ((G[:, :, n, -1:] - G[:, :, n]).exp() * k[:, :, n]).transpose(-2, -1) @ u
+            err = beta[..., None] * (u if S is None else u - eG * (k @ S))
+            u = torch.linalg.solve_triangular(A, err, upper=False, unitriangular=True)  # (I + A)⁻¹ err
+        y = scores @ u                                                                # (B, nh, C, d_v)
+        out.append(y if S is None else y + eG * (q @ S))
+        if n < N - 1 or keep_state:  # the state carried to the next chunk; None is zero, its products skipped
+            write = ((G[:, :, -1:] - G).exp() * k).transpose(-2, -1) @ u
             S = write if S is None else eG[:, :, -1:] * S + write
-    return torch.cat(out, 2)[:, :, :T], S
+    return (torch.cat(out, 2) if N > 1 else out[0])[:, :, :T], S
 
 class LinearAttention(Attention):
     """The linear layouts: no softmax, no RoPE; the cache is a float32 state per head, S (d_k, d_v). 'linear'
@@ -323,12 +348,12 @@ class LinearAttention(Attention):
             qkv = parts['qkv'].to(f32)                                                 # (B, L, 3 n_embd)
             if not self.normalizer:  # c_t = Σ_j w_j x_{t-K+1+j}: the conv sees the K - 1 inputs before these L, cached
                 seen = torch.cat([seen[0], qkv], 1)                                    # (B, K - 1 + L, 3 n_embd)
-                qkv = F.silu(sum(w * seen[:, j:j + L] for j, w in enumerate(self.conv.to(f32))))
+                qkv = F.silu(ShortConv.apply(seen, self.conv.to(f32)))
             q, k, v = self.heads(qkv, 3 * H).split(H, dim=1)                           # (B, nh, L, hs) each
             if self.normalizer:
                 q, k, v = phi(q), phi(k), F.pad(v, (0, 1), value=1.0)  # v's last channel of ones sums z = Σ phi(k)
             else:
-                q, k = F.normalize(torch.cat([q, k], 1), dim=-1).split(H, dim=1)
+                q, k = F.normalize(self.heads(qkv[..., :2 * self.config.n_embd], 2 * H), dim=-1).split(H, dim=1)
                 q = q * self.head_dim ** -0.5
             g, beta = self.knob(parts, B, L, f32)                                      # (B, nh, L) each
             y, new_S = (linear_step(q, k, v, g, beta, S, self.delta) if L == 1 and S is not None else  # decode
@@ -342,13 +367,13 @@ class LinearAttention(Attention):
         return self.out(self.o_norm(y.type_as(x)) * F.silu(self.heads(parts['gate'], H)))
 
     def knob(self, parts, B, L, dtype):
-        """g = log α and β, (B, nh, L): what the rule forgets and how strongly it corrects."""
-        g = parts['qkv'].new_zeros(B, self.n_head, L, dtype=dtype)
+        """g = log α and β, (B, nh, L): what the rule forgets (None: α = 1, nothing) and how strongly it corrects."""
+        g, heads = None, torch.arange(self.n_head, dtype=dtype, device=parts['qkv'].device)
         if self.forget == 'decay':  # RetNet's γ_h = 1 - 2^(-5-h)
-            g = g + torch.log1p(-2.0 ** (-5.0 - torch.arange(self.n_head, dtype=dtype, device=g.device)))[:, None]
+            g = torch.log1p(-2.0 ** (-5.0 - heads))[:, None].expand(B, -1, L)
         if self.forget == 'gate':
             g = -self.A_log.to(dtype).exp()[:, None] * F.softplus(parts['a'].to(dtype) + self.dt_bias).transpose(1, 2)
-        beta = torch.sigmoid(parts['beta'].to(dtype)).transpose(1, 2) if self.delta else torch.ones_like(g)
+        beta = torch.sigmoid(parts['beta'].to(dtype)).transpose(1, 2) if self.delta else heads.new_ones(B, self.n_head, L)
         return g, beta
 
     def init_cache(self, batch_size, capacity, dtype, device):

@@ -8,17 +8,17 @@ import torch
 import torch.nn.functional as F
 
 from conftest import make_model
-from model import GPT, GPTConfig, LINEAR_RULES, linear_chunked, linear_step, phi
+from model import GPT, GPTConfig, LINEAR_RULES, ShortConv, linear_chunked, linear_step, phi
 
 B, H, T, D = 2, 3, 50, 8
 
 
 def inputs(dtype=torch.float64, seed=0, forget=True, delta=True):
-    """q, k unit rows (as the delta rules see them), v, g = log α <= 0 (or 0), β in (0, 1) (or 1), a random state."""
+    """q, k unit rows (as the delta rules see them), v, g = log α <= 0 (or None: α = 1), β in (0, 1) (or 1), a state."""
     g = torch.Generator().manual_seed(seed)
     q, k = (F.normalize(torch.randn(B, H, T, D, generator=g, dtype=dtype), dim=-1) for _ in range(2))
     v = torch.randn(B, H, T, D + 1, generator=g, dtype=dtype)  # d_v != d_k: the orientation is checked
-    log_alpha = -torch.rand(B, H, T, generator=g, dtype=dtype) * 0.5 if forget else torch.zeros(B, H, T, dtype=dtype)
+    log_alpha = -torch.rand(B, H, T, generator=g, dtype=dtype) * 0.5 if forget else None
     beta = torch.rand(B, H, T, generator=g, dtype=dtype) if delta else torch.ones(B, H, T, dtype=dtype)
     S0 = torch.randn(B, H, D, D + 1, generator=g, dtype=dtype)
     return q, k, v, log_alpha, beta, S0
@@ -27,7 +27,8 @@ def inputs(dtype=torch.float64, seed=0, forget=True, delta=True):
 def recurrent(q, k, v, g, beta, S, delta):
     out = []
     for t in range(q.size(2)):  # the decode step, token by token
-        o, S = linear_step(q[:, :, t:t + 1], k[:, :, t:t + 1], v[:, :, t:t + 1], g[:, :, t:t + 1], beta[:, :, t:t + 1],
+        o, S = linear_step(q[:, :, t:t + 1], k[:, :, t:t + 1], v[:, :, t:t + 1], g if g is None else g[:, :, t:t + 1],
+                           beta[:, :, t:t + 1],
                            S, delta)
         out.append(o)
     return torch.cat(out, 2), S
@@ -51,11 +52,31 @@ def test_chunked_continues_from_its_own_state(forget, delta):
     """Prefill in two uneven pieces with the state carried == one piece: what the cache relies on."""
     q, k, v, g, beta, S0 = inputs(seed=1, forget=forget, delta=delta)
     whole, S = linear_chunked(q, k, v, g, beta, S0, delta, 16)
-    cut = lambda x, s: x[:, :, s]
+    cut = lambda x, s: x if x is None else x[:, :, s]
     a, mid = linear_chunked(*(cut(x, slice(0, 21)) for x in (q, k, v, g, beta)), S0, delta, 16)
     b, end = linear_chunked(*(cut(x, slice(21, None)) for x in (q, k, v, g, beta)), mid, delta, 16)
     torch.testing.assert_close(torch.cat([a, b], 2), whole, atol=1e-12, rtol=0)
     torch.testing.assert_close(end, S, atol=1e-12, rtol=0)
+
+
+@pytest.mark.parametrize('delta', [False, True])
+def test_no_gate_is_a_gate_of_one(delta):
+    """g None (α = 1: the decay skipped, only the causal mask) == g = log 1 = 0 through the decay, values and grads."""
+    runs = []
+    for g in (None, torch.zeros(B, H, T, dtype=torch.float64)):
+        q, k, v, _, beta, S0 = (t.detach().requires_grad_() for t in inputs(seed=5, forget=True))
+        out, S = linear_chunked(q, k, v, g, beta, S0, delta, 16)
+        (out.sum() + S.sum()).backward()
+        runs.append([out, S, q.grad, k.grad, v.grad, beta.grad, S0.grad])
+    for a, b in zip(*runs):
+        torch.testing.assert_close(a, b, atol=1e-12, rtol=0)
+
+
+def test_short_conv_backward():
+    """The conv's hand-written backward against finite differences of its forward; its forward against the taps."""
+    x, w = torch.randn(2, 3 + 6, 5, dtype=torch.float64), torch.randn(4, 5, dtype=torch.float64)
+    torch.testing.assert_close(ShortConv.apply(x, w), sum(w[j] * x[:, j:j + 6] for j in range(4)), atol=1e-12, rtol=0)
+    assert torch.autograd.gradcheck(ShortConv.apply, (x.requires_grad_(), w.requires_grad_()))
 
 
 def test_what_each_corner_writes():
@@ -78,12 +99,12 @@ def test_what_each_corner_writes():
 def test_gradients_of_the_chunked_form_equal_the_recurrence(forget, delta):
     grads = []
     for form in ('recurrent', 'chunked'):
-        xs = [t.detach().requires_grad_() for t in inputs(seed=3, forget=forget, delta=delta)]
+        xs = [t if t is None else t.detach().requires_grad_() for t in inputs(seed=3, forget=forget, delta=delta)]
         q, k, v, g, beta, S0 = xs
         out, S = recurrent(q, k, v, g, beta, S0, delta) if form == 'recurrent' else \
             linear_chunked(q, k, v, g, beta, S0, delta, 7)
         ((out * torch.linspace(-1, 1, D + 1, dtype=out.dtype)).sum() + S.sum()).backward()
-        grads.append([x.grad for x in xs])
+        grads.append([x.grad for x in xs if x is not None])
     for a, b in zip(*grads):
         torch.testing.assert_close(b, a, atol=1e-10, rtol=0)
 
@@ -108,10 +129,9 @@ def test_knob_shapes_and_values(layout):
     x = torch.randn(3, 5, 32)
     parts = dict(zip(attn.parts, attn.c_attn(x).split(list(attn.parts.values()), -1)))
     g, beta = attn.knob(parts, 3, 5, torch.float32)
-    assert g.shape == beta.shape == (3, 4, 5)  # (B, nh, L): one α and one β per head and token
     forget, delta = LINEAR_RULES[layout]
-    if forget is None:
-        assert torch.equal(g, torch.zeros_like(g))  # α = 1
+    assert beta.shape == (3, 4, 5)  # (B, nh, L): one β per head and token, and one α, or None (α = 1: no decay)
+    assert g is None if forget is None else g.shape == (3, 4, 5)
     if forget == 'decay':  # RetNet: γ_h = 1 - 2^(-5-h), the same at every token and in every row
         torch.testing.assert_close(g.exp(), (1 - 2.0 ** -torch.arange(5.0, 9.0))[:, None].expand(3, 4, 5))
     if forget == 'gate':

@@ -104,8 +104,9 @@ def cache_report(layouts=LAYOUTS):
         rows.append(f"| {name} | {cfg.n_kv_head if cfg.softmax in ('mha', 'gqa', 'mqa') else '—'} | {per_token:,} | "
                     f"{cfg.cache_bytes(1, torch.float16) - cfg.cache_bytes(0, torch.float16):,} | {state:,} | "
                     f"{formula:,} | {cache.nbytes:,} | {cache.nbytes / formula:.3f} |")
+    mla = GPTConfig(attn='mla')  # the sizes its layers get
     return (f"Config: {cfg.n_layer} layers, {cfg.n_head} heads, n_embd {cfg.n_embd} (head_dim {cfg.head_dim}), "
-            f"block_size {T}, MLA d_c={cfg.kv_lora_rank} d_R={cfg.rope_head_dim}, hybrid {HYBRID!r}; cache of 1 "
+            f"block_size {T}, MLA d_c={mla.kv_lora_rank} d_R={mla.rope_head_dim}, hybrid {HYBRID!r}; cache of 1 "
             f"sequence after T={T} tokens, float32 (a linear layer's state is float32 in every dtype).\n\n" +
             table(['layout', 'K/V heads', 'cache elements / token (all layers)', 'bytes / token at fp16',
                    'fixed state elements (all layers)', f'formula bytes at T={T} (fp32)', 'measured `cache.nbytes`',

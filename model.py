@@ -71,10 +71,11 @@ class GPTConfig:
         if self.n_kv_head not in allowed:
             rule = 'divisors 1 < d < n_head' if softmax == 'gqa' else 'or 0, its default'
             self.bad('n_kv_head' if allowed else 'n_head', f"attn={self.attn!r} with n_head={h} allows {allowed} ({rule})")
-        self.kv_lora_rank = self.kv_lora_rank or 4 * self.head_dim  # 0 = the paper's ratios to head_dim
-        self.rope_head_dim = self.rope_head_dim or max(2, self.head_dim // 4 * 2)
-        if self.q_lora_rank and softmax != 'mla':
-            self.bad('q_lora_rank', f"is only for attn='mla' (MLA's query compression); attn={self.attn!r}")
+        mla_sizes = {'kv_lora_rank': 4 * self.head_dim, 'rope_head_dim': max(2, self.head_dim // 4 * 2), 'q_lora_rank': 0}
+        for field, default in mla_sizes.items():  # 0 = DeepSeek-V2's ratios to head_dim; a stack without MLA keeps 0s
+            if softmax != 'mla' and getattr(self, field) not in (0, default):  # (checkpoints converted before 12/2026
+                self.bad(field, f"only attn='mla' uses it; attn={self.attn!r} has no MLA layer")  # hold the defaults)
+            setattr(self, field, (getattr(self, field) or default) if softmax == 'mla' else 0)
         if softmax == 'mla' and self.rope_head_dim % 2:
             self.bad('rope_head_dim', "must be even for attn='mla' (RoPE rotates pairs)")
         if self.pos_emb == 'rope' and softmax in ('mha', 'gqa', 'mqa') and self.head_dim % 2:
@@ -234,11 +235,9 @@ class CausalSelfAttention(Attention):
         H, H_kv = self.n_head, self.n_kv_head
         qkv = self.heads(self.c_attn(x), H + 2 * H_kv)  # (B, nh + 2 n_kv, L, hs): queries, keys, values
         qk = apply_rope(qkv[:, :H + H_kv], rope)        # queries and keys rotated in one call
-        return self.out(self.mix(qk[:, :H], qk[:, H:], qkv[:, H + H_kv:], pos, cache))
-
-    def mix(self, q, k, v, pos, cache):  # (B, nh, L, hs), (B, n_kv, L, hs) x 2 -> (B, nh, L, hs)
+        q, k, v = qk[:, :H], qk[:, H:], qkv[:, H + H_kv:]
         k, v, mask = (k, v, None) if cache is None else cache.update(pos, k, v)  # (B, n_kv, S, hs): all so far
-        return attend(q, k, v, dropout_p=self.dropout if self.training else 0.0, mask=mask)
+        return self.out(attend(q, k, v, dropout_p=self.dropout if self.training else 0.0, mask=mask))  # (B, nh, L, hs)
 
     def init_cache(self, batch_size, capacity, dtype, device):
         shape = (batch_size, self.n_kv_head, capacity, self.head_dim)
@@ -251,19 +250,17 @@ class ShortConv(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, w):
         ctx.save_for_backward(x, w)
-        L = x.size(1) - w.size(0) + 1
-        c = x[:, :L] * w[0]                                                    # (B, L, C)
-        for j in range(1, w.size(0)):
-            c.addcmul_(x[:, j:j + L], w[j])
+        c = x[:, :x.size(1) - len(w) + 1] * w[0]                             # (B, L, C)
+        for j in range(1, len(w)):
+            c.addcmul_(x[:, j:j + c.size(1)], w[j])
         return c
 
     @staticmethod
     def backward(ctx, dc):
-        x, w = ctx.saved_tensors
-        dx, L = torch.zeros_like(x), dc.size(1)
-        for j in range(w.size(0)):
+        (x, w), dx, L = ctx.saved_tensors, torch.zeros_like(ctx.saved_tensors[0]), dc.size(1)
+        for j in range(len(w)):
             dx[:, j:j + L].addcmul_(dc, w[j])
-        return dx, torch.stack([(dc * x[:, j:j + L]).sum((0, 1)) for j in range(w.size(0))])
+        return dx, torch.stack([(dc * x[:, j:j + L]).sum((0, 1)) for j in range(len(w))])
 
 def phi(x):
     """elu(x) + 1 > 0, computed in float32 at least: in bf16 elu(x) + 1 rounds to 0 near x = -8."""
@@ -353,8 +350,7 @@ class LinearAttention(Attention):
             if self.normalizer:
                 q, k, v = phi(q), phi(k), F.pad(v, (0, 1), value=1.0)  # v's last channel of ones sums z = Σ phi(k)
             else:
-                q, k = F.normalize(self.heads(qkv[..., :2 * self.config.n_embd], 2 * H), dim=-1).split(H, dim=1)
-                q = q * self.head_dim ** -0.5
+                q, k = F.normalize(q, dim=-1) * self.head_dim ** -0.5, F.normalize(k, dim=-1)
             g, beta = self.knob(parts, B, L, f32)                                      # (B, nh, L) each
             y, new_S = (linear_step(q, k, v, g, beta, S, self.delta) if L == 1 and S is not None else  # decode
                         linear_chunked(q, k, v, g, beta, S, self.delta, self.config.chunk_size, S is not None))
@@ -439,7 +435,8 @@ def mlp_hidden(config):
         return 4 * config.n_embd
     with torch.device('meta'):  # counted, nothing allocated; MHA's weights, without RoPE's rule of an even head_dim
         count = lambda cfg, a: sum(p.numel() for p in make_attention(cfg, a).parameters())
-        mha = replace(config, attn='mha', n_kv_head=0, q_lora_rank=0, pos_emb='learned', match_mha_params=False)
+        mha = replace(config, attn='mha', n_kv_head=0, q_lora_rank=0, kv_lora_rank=0, rope_head_dim=0, pos_emb='learned',
+                      match_mha_params=False)
         extra = sum(n * (count(mha, 'mha') - count(config, a)) for a, n in config.layer_counts().items()) / config.n_layer
     return 4 * config.n_embd + round(extra / (2 * config.n_embd + config.bias))  # c_fc row + c_proj column
 

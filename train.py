@@ -264,8 +264,9 @@ def load_checkpoint(path):
 
 
 def flags(a, b):
-    """The --key=value settings of GPTConfig a that differ from b."""
-    return [f"--{k}={getattr(a, k)}" for k in model_keys if getattr(a, k) != getattr(b, k)]
+    """The --key=value settings of GPTConfig a that differ from b (MLA's sizes only if a has MLA: else 0, implied)."""
+    return [f"--{k}={getattr(a, k)}" for k in model_keys if getattr(a, k) != getattr(b, k)
+            and (a.softmax == 'mla' or k not in ('kv_lora_rank', 'rope_head_dim'))]
 
 
 if init_from == 'resume':

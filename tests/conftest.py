@@ -16,15 +16,20 @@ else:
     torch.set_num_threads(2)
 
 # Tiny but complete: 2 layers, 4 query heads (GQA: 2 K/V heads), head dim 8, MLA d_c 16 / d_R 4.
-TINY = dict(block_size=32, vocab_size=40, n_layer=2, n_head=4, n_embd=32,
-            kv_lora_rank=16, rope_head_dim=4, chunk_size=8)
+TINY = dict(block_size=32, vocab_size=40, n_layer=2, n_head=4, n_embd=32, chunk_size=8)
+
+
+def tiny(attn='mha', **overrides):
+    """TINY's GPTConfig for attn; a stack with an MLA layer gets d_c 16 and d_R 4 (the others refuse them)."""
+    mla = dict(kv_lora_rank=16, rope_head_dim=4) if 'mla' in str(attn) else {}
+    return GPTConfig(**{**TINY, 'attn': attn, **mla, **overrides})
 
 
 def make_model(attn, dtype=torch.float64, seed=0, **overrides):
     """A tiny model with fan-in-scaled random weights: GPT-2's 0.02 init makes attention almost
     uniform, which would let a wrong mask or scale slip through the checks."""
     torch.manual_seed(seed)
-    model = GPT(GPTConfig(**{**TINY, 'attn': attn, **overrides}))
+    model = GPT(tiny(attn, **overrides))
     with torch.no_grad():
         for name, p in model.named_parameters():
             if p.dim() == 2:

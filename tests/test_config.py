@@ -15,7 +15,9 @@ BAD = [
     (dict(attn='deltanet+gqa+mla'), r"mixes softmax layouts"),
     (dict(attn='mamba2+gqa', n_kv_head=4), r"n_kv_head.*n_head=6 allows \[2, 3\]"),  # the hybrid's GQA rule
     (dict(attn='deltanet', n_kv_head=2), r"n_kv_head.*allows \[6\] \(or 0, its default\)$"),  # a field it does not use
-    (dict(attn='retnet', q_lora_rank=8), r"q_lora_rank.*only for attn='mla'"),
+    (dict(attn='retnet', q_lora_rank=8), r"q_lora_rank=8 is invalid: only attn='mla' uses it"),
+    (dict(attn='gqa', kv_lora_rank=64), r"kv_lora_rank=64 is invalid: only attn='mla' uses it; attn='gqa' has no MLA"),
+    (dict(attn='deltanet*3+gqa', rope_head_dim=8), r"rope_head_dim=8 is invalid: only attn='mla' uses it"),
     (dict(pos_emb='alibi'), r"pos_emb.*one of \('rope', 'learned'\)"),
     (dict(n_embd=100, n_head=6), r"n_embd.*divisible by n_head"),
     (dict(attn='gqa', n_kv_head=4), r"n_kv_head.*n_head=6 allows \[2, 3\].*divisor"),
@@ -65,6 +67,17 @@ def test_mla_sizes_default_to_the_papers_ratios():
         cfg = GPTConfig(attn='mla', n_head=n_head, n_embd=n_embd, n_layer=2, match_mha_params=True)
         assert (cfg.kv_lora_rank, cfg.rope_head_dim) == (4 * n_embd // n_head, n_embd // n_head // 2)
     assert GPTConfig(attn='mla', kv_lora_rank=96, rope_head_dim=8).kv_lora_rank == 96
+    assert GPTConfig(attn='deltanet+mla', n_layer=2, n_head=4, n_embd=64).kv_lora_rank == 64  # a hybrid's MLA too
+
+
+def test_a_stack_without_mla_keeps_no_mla_sizes():
+    """GQA's config shows kv_lora_rank = rope_head_dim = 0, not MLA's sizes filled in; the sizes the old code filled
+    in (what a checkpoint converted before 12/2026 holds) still load, as 0."""
+    for attn in ('mha', 'gqa', 'retnet', 'gated_deltanet*3+gqa'):
+        cfg = GPTConfig(attn=attn)
+        assert (cfg.kv_lora_rank, cfg.rope_head_dim, cfg.q_lora_rank) == (0, 0, 0)
+    old = GPTConfig(attn='gqa', kv_lora_rank=4 * 64, rope_head_dim=32)  # head_dim 64: what the old code filled in
+    assert (old.kv_lora_rank, old.rope_head_dim) == (0, 0)
 
 
 def test_hybrid_pattern_repeats_over_the_layers():

@@ -5,12 +5,12 @@ import pytest
 import torch
 
 from model import GPT, GPTConfig
-from conftest import TINY
+from conftest import tiny
 
 
 def test_tied_embeddings_and_gpt2_init(attn):
     torch.manual_seed(0)
-    model = GPT(GPTConfig(**{**TINY, 'attn': attn, 'n_layer': 4, 'n_embd': 64}))
+    model = GPT(tiny(attn, n_layer=4, n_embd=64))
     assert model.transformer.wte.weight is model.lm_head.weight
     proj = torch.cat([p.flatten() for n, p in model.named_parameters() if n.endswith('c_proj.weight')])
     other = torch.cat([p.flatten() for n, p in model.named_parameters() if n.endswith('c_fc.weight')])
@@ -20,7 +20,7 @@ def test_tied_embeddings_and_gpt2_init(attn):
 
 def test_every_layout_learns_a_batch(attn):
     torch.manual_seed(0)
-    model = GPT(GPTConfig(**{**TINY, 'attn': attn}))
+    model = GPT(tiny(attn))
     x = torch.randint(0, 40, (4, 32))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.0)
     losses = []
@@ -50,11 +50,11 @@ def test_learned_positions_get_gpt2_init():
     """wpe ~ N(0, 0.02) like every embedding (nn.Embedding's own default is N(0, 1), which would swamp the tokens);
     tied wte is lm_head's N(0, 0.02)."""
     torch.manual_seed(0)
-    model = GPT(GPTConfig(**{**TINY, 'pos_emb': 'learned', 'block_size': 256, 'n_embd': 64}))
+    model = GPT(tiny(pos_emb='learned', block_size=256, n_embd=64))
     wpe = model.transformer.wpe.weight
     assert wpe.shape == (256, 64)
     assert abs(wpe.std().item() - 0.02) < 0.001 and abs(wpe.mean().item()) < 0.001
-    assert 'wpe' not in dict(GPT(GPTConfig(**TINY)).transformer.named_children())  # RoPE: no learned table
+    assert 'wpe' not in dict(GPT(tiny()).transformer.named_children())  # RoPE: no learned table
 
 
 def test_dropout_is_off_in_eval(attn):
@@ -62,8 +62,8 @@ def test_dropout_is_off_in_eval(attn):
     without the cache; in train() it does not (the check can fail)."""
     torch.manual_seed(0)
     idx = torch.randint(0, 40, (2, 20))
-    drop = GPT(GPTConfig(**{**TINY, 'attn': attn, 'dropout': 0.5})).double().eval()
-    plain = GPT(GPTConfig(**{**TINY, 'attn': attn})).double().eval()
+    drop = GPT(tiny(attn, dropout=0.5)).double().eval()
+    plain = GPT(tiny(attn)).double().eval()
     plain.load_state_dict(drop.state_dict())
     want = plain(idx, idx)[0]
     assert torch.equal(drop(idx, idx)[0], want)

@@ -158,17 +158,22 @@ def train_report(args):
             f"same batches for every layout, evaluated every {every} iterations; losses at the last one; cache "
             "bytes/token at block_size in the run's dtype.\n\n" +
             table(['layout', 'params', 'cache bytes/token', 'train loss', 'val loss', 'best val (iteration)',
-                   'median ms/iter', 'tokens/s'], rows) + (step_time_vs_nanogpt(args.nanogpt) if args.nanogpt else '') +
+                   'median ms/iter', 'tokens/s'], rows) +
+            (step_time_vs_nanogpt(args.nanogpt, args.layouts) if args.nanogpt else '') +
             "\n![val loss curves](train_val_loss.png)\n")
 
-def step_time_vs_nanogpt(nanogpt_path, rounds=12, steps=10):
-    """The training step of nanoGPT's model.py at nanogpt_path and of ours, the models taking turns: a table."""
+def step_time_vs_nanogpt(nanogpt_path, layouts=(), rounds=12, steps=10):
+    """The training step of nanoGPT's model.py at nanogpt_path, of our MHA and of each of layouts (config/NAME.py's
+    attn and MLP), the models taking turns: a table, with each step's ratio to nanoGPT's and to our MHA's."""
     ng = runpy.run_path(nanogpt_path)  # its GPT, GPTConfig
     sizes = dict(n_layer=4, n_head=4, n_embd=128, block_size=64, vocab_size=65, dropout=0.0, bias=False)
     torch.manual_seed(0)
     models = {"nanoGPT": ng['GPT'](ng['GPTConfig'](**sizes)),
               "ours, mha, pos_emb='learned'": GPT(GPTConfig(attn='mha', pos_emb='learned', **sizes)),
               "ours, mha, RoPE (default)": GPT(GPTConfig(attn='mha', **sizes))}
+    for name in (a for a in layouts if a != 'mha'):
+        match = runpy.run_path(os.path.join('config', f'{name}.py')).get('match_mha_params', False)
+        models[f"ours, {name}"] = GPT(GPTConfig(attn=LAYOUTS[name], match_mha_params=match, **sizes))
     x, y = torch.randint(0, 65, (2, 12, 64))
 
     def train(model, opt):
@@ -180,10 +185,12 @@ def step_time_vs_nanogpt(nanogpt_path, rounds=12, steps=10):
     opts = {k: torch.optim.AdamW(m.parameters(), lr=1e-3, betas=(0.9, 0.99), weight_decay=0.1) for k, m in models.items()}
     times = take_turns({k: lambda k=k: train(models[k], opts[k]) for k in models}, 'cpu', rounds + 1)
     ms = {k: [s / steps * 1000 for s in v[1:]] for k, v in times.items()}  # round 0: the warm-up
+    ratio = lambda k, to: f"{statistics.median(a / b for a, b in zip(ms[k], ms[to])):.3f}"
     return (f"\nTraining-step time on the same recipe, models taking turns in one process (medians of {rounds} "
-            f"rounds x {steps} steps; vs nanoGPT: the median of each round's ratio):\n\n" +
-            table(['model', 'ms/step', 'vs nanoGPT'], [f"| {k} | {statistics.median(v):.2f} | "
-                  f"{statistics.median(a / b for a, b in zip(v, ms['nanoGPT'])):.3f} |" for k, v in ms.items()]))
+            f"rounds x {steps} steps; the ratios: the median of each round's ratio):\n\n" +
+            table(['model', 'ms/step', 'vs nanoGPT', 'vs our MHA'], [
+                f"| {k} | {statistics.median(v):.2f} | {ratio(k, 'nanoGPT')} | {ratio(k, 'ours, mha, RoPE (default)')} |"
+                for k, v in ms.items()]))
 
 def convert_report(args):
     """Ainslie et al. 2023: MHA; GQA and MQA from scratch, and mean-pooled from MHA then uptrained (CPU preset)."""
@@ -371,59 +378,84 @@ def capacity(d_k, pairs, trials=50):
             recall[name, n] = (nearest == torch.arange(n)).float().mean().item()
     return rules, recall
 
-def mqar_report(args):
-    """Per layout, a 2-layer model trained on MQAR (every N mixed), then recall per N; and the untrained capacity."""
-    from data.mqar.prepare import prepare, VOCAB
-    data = dict(np.load(prepare(os.path.join(args.out, 'mqar'))))  # made again each run: seeded, seconds
-    pairs, d = sorted(int(k.split('_')[-1]) for k in data if k.startswith('val_x_')), 64
+MQAR = dict(n_layer=2, n_head=4, n_embd=64, chunk_size=32, match_mha_params=True)  # per layout; hybrid 1:1 on 2 layers
+
+def mqar_run(path, name, lr, max_iters, batch=32):
+    """One layout trained on MQAR at one peak lr (every N mixed; warmup, then cosine to lr / 10): {N: recall}. On one
+    thread, as a worker of mqar_report's pool: its numbers never depend on the machine's core count."""
+    from data.mqar.prepare import VOCAB
+    torch.set_num_threads(1)
+    data = dict(np.load(path))
+    pairs = sorted(int(k.split('_')[-1]) for k in data if k.startswith('val_x_'))
     train_x, train_y = (torch.from_numpy(np.concatenate([data[f'train_{s}_{n}'] for n in pairs])) for s in ('x', 'y'))
-    sizes = dict(n_layer=2, n_head=4, n_embd=d, vocab_size=VOCAB, block_size=train_x.size(1), chunk_size=32,
-                 match_mha_params=True)
-    attn_of = {**LAYOUTS, 'hybrid': 'gated_deltanet+gqa'}  # 2 layers: the hybrid is 1:1
-    acc, batch, lr = {}, 32, args.lr
-    for name in args.layouts:
-        progress(f"mqar: {name}, {args.max_iters} steps")
-        torch.manual_seed(0)
-        model = GPT(GPTConfig(attn=attn_of[name], **sizes))
-        opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.98), weight_decay=0.0)
-        order = torch.randint(0, train_x.size(0), (args.max_iters, batch), generator=torch.Generator().manual_seed(0))
-        for it, rows in enumerate(order):  # the same batches for every layout; warmup, then cosine to lr / 10
-            for group in opt.param_groups:
-                group['lr'] = lr * min(1, (it + 1) / 100) * (0.55 + 0.45 * math.cos(math.pi * it / args.max_iters))
-            loss = model(train_x[rows], train_y[rows])[1]
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            opt.step()
-        model.eval()
-        with torch.no_grad():
-            for n in pairs:
-                x, y = (torch.from_numpy(data[f'val_{s}_{n}']) for s in ('x', 'y'))
-                hit = (model(x, y)[0].argmax(-1) == y)[y >= 0]
-                acc[name, n] = hit.float().mean().item()
-    head_dim = d // sizes['n_head']
+    torch.manual_seed(0)
+    attn = {**LAYOUTS, 'hybrid': 'gated_deltanet+gqa'}[name]
+    model = GPT(GPTConfig(attn=attn, vocab_size=VOCAB, block_size=train_x.size(1), **MQAR))
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.98), weight_decay=0.0)
+    order = torch.randint(0, train_x.size(0), (max_iters, batch), generator=torch.Generator().manual_seed(0))
+    for it, rows in enumerate(order):  # the same batches for every layout and lr
+        for group in opt.param_groups:
+            group['lr'] = lr * min(1, (it + 1) / 100) * (0.55 + 0.45 * math.cos(math.pi * it / max_iters))
+        loss = model(train_x[rows], train_y[rows])[1]
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+    model.eval()
+    with torch.no_grad():
+        xy = {n: [torch.from_numpy(data[f'val_{s}_{n}']) for s in ('x', 'y')] for n in pairs}
+        return {n: (model(x, y)[0].argmax(-1) == y)[y >= 0].float().mean().item() for n, (x, y) in xy.items()}
+
+def mqar_report(args):
+    """Per layout, a 2-layer model trained on MQAR at each lr (runs on one thread each, as many at once as there are
+    cores), its best lr kept as Zoology does; recall per N; and the untrained capacity."""
+    from concurrent.futures import ProcessPoolExecutor, as_completed
+    from multiprocessing import get_context
+    from data.mqar.prepare import prepare
+    path = prepare(os.path.join(args.out, 'mqar'))  # made again each run: seeded, seconds
+    data = np.load(path)
+    pairs = sorted(int(k.split('_')[-1]) for k in data.files if k.startswith('val_x_'))
+    shape = data[f'train_x_{pairs[0]}'].shape  # (sequences, tokens) per N
+    runs, acc = [(name, lr) for name in args.layouts for lr in args.lrs], {}
+    workers = min(len(runs), os.cpu_count() or 1)
+    progress(f"mqar: {len(runs)} runs of {args.max_iters} steps ({len(args.layouts)} layouts x {len(args.lrs)} lrs), "
+             f"{workers} at a time on one thread each")
+    with ProcessPoolExecutor(workers, mp_context=get_context('spawn')) as pool:  # (spawn: forked torch threads hang)
+        todo = {pool.submit(mqar_run, path, name, lr, args.max_iters): (name, lr) for name, lr in runs}
+        for done in as_completed(todo):
+            acc[todo[done]] = done.result()
+            progress(f"mqar: {todo[done][0]} at lr {todo[done][1]:g}: mean recall {statistics.mean(acc[todo[done]].values()):.1%}")
+    mean = {run: statistics.mean(r.values()) for run, r in acc.items()}
+    best = {name: max(args.lrs, key=lambda lr: mean[name, lr]) for name in args.layouts}  # the first of equals
+    d, head_dim = MQAR['n_embd'], MQAR['n_embd'] // MQAR['n_head']
     rules, recall = capacity(head_dim, pairs)
     plot(os.path.join(args.out, 'mqar.png'),
-         [(pairs, [100 * acc[name, n] for n in pairs], name, dict(marker='o', color=f'C{i}'))
+         [(pairs, [100 * acc[name, best[name]][n] for n in pairs], name, dict(marker='o', color=f'C{i}'))
           for i, name in enumerate(args.layouts)] +
          [(pairs, [100 * recall[r, n] for n in pairs], f'untrained state: {r}', dict(ls=':', color='gray', marker=m))
           for r, m in zip(rules, 'x+^')] +
          [([head_dim] * 2, [0, 100], f'head_dim d_k = {head_dim} (the state\'s rank)', dict(color='black', ls='--'))],
-         dict(fontsize=7, loc='upper left', bbox_to_anchor=(1.01, 1)), title='MQAR: recall vs number of pairs',
+         dict(fontsize=7, loc='upper left', bbox_to_anchor=(1.01, 1)), title='MQAR: recall vs number of pairs (best lr)',
          xlabel='key-value pairs N in the sequence', ylabel='answers recalled (%)', ylim=(0, 102))
-    trained = table(['layout', *[f"N={n}" + (" (= d_k)" if n == head_dim else "") for n in pairs]],
-                    [f"| {name} | " + " | ".join(f"{100 * acc[name, n]:.1f}%" for n in pairs) + " |"
-                     for name in args.layouts])
+    trained = table(['layout', 'best lr', *[f"N={n}" + (" (= d_k)" if n == head_dim else "") for n in pairs]],
+                    [f"| {name} | {best[name]:g} | " + " | ".join(f"{100 * acc[name, best[name]][n]:.1f}%" for n in pairs)
+                     + " |" for name in args.layouts])
+    every_lr = table(['layout', *[f"lr {lr:g}" for lr in args.lrs]],
+                     [f"| {name} | " + " | ".join(f"{100 * mean[name, lr]:.1f}%" for lr in args.lrs) + " |"
+                      for name in args.layouts])
     untrained = table(['rewrite (one head, no training)', *[f"N={n}" for n in pairs]],
                       [f"| {r} | " + " | ".join(f"{100 * recall[r, n]:.1f}%" for n in pairs) + " |" for r in rules])
-    return (f"`{command(args, f'--max_iters={args.max_iters}', f'--lr={lr:g}')}` on {machine()}: data/mqar/prepare.py's data (one token "
-            f"a pair, then every key queried; {train_x.size(0):,} training sequences of {train_x.size(1)} tokens, "
-            f"N = {', '.join(map(str, pairs))} mixed), a {sizes['n_layer']}-layer model per layout ({sizes['n_head']} "
-            f"heads, n_embd {d}, head_dim d_k = {head_dim}, MLP sized to MHA's parameter count; hybrid = "
-            f"'gated_deltanet+gqa'), {args.max_iters} AdamW steps of {batch} sequences at lr {lr:g}, the same batches "
-            "for every layout; recall = answers right on 500 held-out sequences per N.\n\n" + trained +
-            "\n![MQAR recall vs pairs](mqar.png)\n" + MORE + "\n**The state's capacity, no training**: N random unit "
-            f"keys and values (d_k = {head_dim}) written into one head's state by model.py's update, then every key "
+    lrs = ','.join(f'{lr:g}' for lr in args.lrs)
+    return (f"`{command(args, f'--max_iters={args.max_iters}', f'--lrs={lrs}')}` on {machine().rsplit(',', 1)[0]}, "
+            f"one thread a run: data/mqar/prepare.py's data (one token a pair, then every key queried; "
+            f"{shape[0] * len(pairs):,} training sequences of {shape[1]} tokens, N = {', '.join(map(str, pairs))} "
+            f"mixed), a {MQAR['n_layer']}-layer model per layout ({MQAR['n_head']} heads, n_embd {d}, head_dim d_k = "
+            f"{head_dim}, MLP sized to MHA's parameter count; hybrid = 'gated_deltanet+gqa'), {args.max_iters} AdamW "
+            f"steps of 32 sequences at each peak lr ({lrs}), the same batches for every run; each layout's best lr by "
+            "mean recall (as Zoology reports its sweep); recall = answers right on 500 held-out sequences per N.\n\n"
+            + trained + "\n![MQAR recall vs pairs](mqar.png)\n" + MORE + "\n**Mean recall over N at each lr** (the "
+            "runs the table above picks from):\n\n" + every_lr + "\n**The state's capacity, no training**: N random "
+            f"unit keys and values (d_k = {head_dim}) written into one head's state by model.py's update, then every key "
             "read back; recall = the read is nearest its own value (50 trials):\n\n" + untrained)
 
 # --- the command line ---------------------------------------------------------------------------------------
@@ -442,6 +474,7 @@ def main(argv=None):
     fractions = listed(float, lambda v: all(0 <= f <= 1 for f in v), "give numbers in [0, 1]")
     contexts = listed(int, lambda v: v[0] >= 1, "give integers >= 1")
     positive = checked(float, lambda v: 0 < v < float('inf'), "give a number > 0")
+    rates = listed(float, lambda v: 0 < v[0] and v[-1] < float('inf'), "give numbers > 0")
     gen_tokens = checked(int, lambda v: 1 <= v <= 240, "give 1 to 240 (block 256, prompt 16)")
     p = Parser(prog='bench.py', description=__doc__)
     p.add_argument('mode', choices=['cache', 'train', 'decode', 'convert', 'mqar'])
@@ -451,10 +484,11 @@ def main(argv=None):
             ('cache, train, decode, mqar', 'layouts', ','.join(LAYOUTS), layouts, 'a comma-separated subset'),
             ('', 'out', None, str, 'folder for runs, reports and plots (default: out-bench; with --readme: results)'),
             ('train, decode', 'device', 'cpu', str, 'cpu or cuda[:N]; train on cuda runs the full baby-GPT recipe'),
-            ('train, convert, mqar', 'max_iters', None, count, "iterations (MHA's for convert): 2000, train on cuda 5000"),
+            ('train, convert, mqar', 'max_iters', None, count, "iterations (MHA's for convert): 2000, train on cuda 5000, mqar 3000"),
             ('train', 'nanogpt', None, str, "nanoGPT's model.py, to time its step next to ours"),
             ('convert', 'fractions', '0,0.01,0.025,0.05,0.1', fractions, 'uptraining, fractions of max_iters'),
-            ('convert, mqar', 'lr', 1e-3, positive, 'peak learning rate (MQAR at 3e-3: the linear layouts at chance)'),
+            ('convert', 'lr', 1e-3, positive, 'peak learning rate of the uptraining'),
+            ('mqar', 'lrs', '1e-3,3e-3', rates, "peak learning rates, each layout's best kept"),
             ('decode', 'n_layer', 6, count, 'layers'), ('decode', 'n_head', 6, count, 'heads'),
             ('decode', 'n_embd', 384, count, 'width'), ('decode', 'batch', 16, count, 'batch of the roofline'),
             ('decode', 't', 2048, count, 'context of the roofline'),
@@ -484,7 +518,7 @@ def main(argv=None):
                                             if args.out else "give a folder to write the results in"))
     args.out = 'results' if args.readme else args.out or 'out-bench'  # results/: what the README shows
     args.layouts = [a for a in LAYOUTS if a in args.layouts]  # in the usual order
-    args.max_iters = args.max_iters or (5000 if args.mode == 'train' and args.device != 'cpu' else 2000)
+    args.max_iters = args.max_iters or {'mqar': 3000}.get(args.mode, 5000 if args.mode == 'train' and args.device != 'cpu' else 2000)
     check_device(args.device, args.dtype)
     try:  # nanoGPT's model.py runs now, two steps: a wrong file is refused before five layouts train, not after
         args.nanogpt is None or step_time_vs_nanogpt(args.nanogpt, rounds=1, steps=1)

@@ -244,10 +244,11 @@ def test_no_profiler_lines_on_stderr():
 def test_step_time_vs_nanogpt_times_the_given_model_file():
     """--nanogpt loads GPT and GPTConfig from the file it is given (here our own model.py stands in for nanoGPT's)
     and times its training step in turns with ours."""
-    text = bench_module.step_time_vs_nanogpt(os.path.join(ROOT, 'model.py'), rounds=3, steps=2)
-    rows = re.findall(r"^\| (.+) \| ([\d.]+) \| ([\d.]+) \|$", text, re.M)
-    assert [r[0] for r in rows] == ['nanoGPT', "ours, mha, pos_emb='learned'", 'ours, mha, RoPE (default)']
-    assert all(float(ms) > 0 and float(ratio) > 0 for _, ms, ratio in rows) and rows[0][2] == '1.000'
+    text = bench_module.step_time_vs_nanogpt(os.path.join(ROOT, 'model.py'), ['mha', 'deltanet'], rounds=3, steps=2)
+    rows = re.findall(r"^\| (.+) \| ([\d.]+) \| ([\d.]+) \| ([\d.]+) \|$", text, re.M)
+    assert [r[0] for r in rows] == ['nanoGPT', "ours, mha, pos_emb='learned'", 'ours, mha, RoPE (default)', 'ours, deltanet']
+    assert all(float(ms) > 0 and float(a) > 0 and float(b) > 0 for _, ms, a, b in rows)
+    assert rows[0][2] == rows[2][3] == '1.000'  # each against itself
     assert 'medians of 3 rounds x 2 steps' in text
 
 
@@ -269,10 +270,16 @@ def test_generation_agreement_tells_a_near_tie_from_a_difference():
 
 
 def test_mqar_report_on_a_tiny_run(tmp_path):
-    out = bench('mqar', '--layouts=mha,deltanet,hybrid', '--max_iters=3', f'--out={tmp_path}')
+    out = bench('mqar', '--layouts=mha,deltanet,hybrid', '--max_iters=3', '--lrs=3e-3,1e-3', f'--out={tmp_path}')
     assert out.startswith((tmp_path / 'mqar.md').read_text()) and (tmp_path / 'mqar.png').stat().st_size > 10_000
-    rows = re.findall(r"^\| (mha|deltanet|hybrid) \| ([\d.]+)% \| ([\d.]+)% \| ([\d.]+)% \| ([\d.]+)% \| ([\d.]+)% \|$", out, re.M)
-    assert [r[0] for r in rows] == ['mha', 'deltanet', 'hybrid'] and all(0 <= float(p) <= 100 for r in rows for p in r[1:])
+    rows = re.findall(r"^\| (mha|deltanet|hybrid) \| (0.001|0.003) \| ([\d.]+)% \| ([\d.]+)% \| ([\d.]+)% \| ([\d.]+)% \| "
+                      r"([\d.]+)% \|$", out, re.M)  # each layout's best lr, then its recall per N
+    assert [r[0] for r in rows] == ['mha', 'deltanet', 'hybrid'] and all(0 <= float(p) <= 100 for r in rows for p in r[2:])
+    means = dict(re.findall(r"^\| (mha|deltanet|hybrid) \| ([\d.]+)% \| [\d.]+% \|$", out, re.M))  # at each lr
+    for name, lr, *recall in rows:  # the best lr's row: its mean is the larger of the two
+        mean = sum(float(p) for p in recall) / len(recall)
+        assert abs(mean - max(map(float, re.search(rf"^\| {name} \| ([\d.]+)% \| ([\d.]+)% \|$", out, re.M).groups()))) < 0.1
+    assert means.keys() == {'mha', 'deltanet', 'hybrid'} and '--lrs=0.001,0.003' in out
     assert 'N=16 (= d_k)' in out  # the state's rank marked
 
 

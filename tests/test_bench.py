@@ -281,6 +281,14 @@ def test_mqar_report_on_a_tiny_run(tmp_path):
         assert abs(mean - max(map(float, re.search(rf"^\| {name} \| ([\d.]+)% \| ([\d.]+)% \|$", out, re.M).groups()))) < 0.1
     assert means.keys() == {'mha', 'deltanet', 'hybrid'} and '--lrs=0.001,0.003' in out
     assert 'N=16 (= d_k)' in out  # the state's rank marked
+    default = bench('mqar', '--layouts=mha,deltanet', '--max_iters=3', f'--out={tmp_path / "default"}')
+    best = re.findall(r"^\| (mha|deltanet) \| (0.00\d) \| (.*)$", default, re.M)  # each at its lr of bench's MQAR_LR
+    assert [b[:2] for b in best] == [('mha', str(bench_module.MQAR_LR['mha'])), ('deltanet', '0.001')]
+    for name, lr, recall in best:  # the same run as the sweep's at that lr: the same recall
+        swept = re.search(rf"^\| {name} \| ([\d.]+)% \| ([\d.]+)% \|$", out, re.M).groups()[lr == '0.003']
+        assert abs(sum(float(p) for p in re.findall(r"([\d.]+)%", recall)) / 5 - float(swept)) < 0.1
+    assert re.search(r"^\| mha \| not run \| [\d.]+% \|$", default, re.M)
+    assert default.startswith('`python bench.py mqar --max_iters=3 --layouts=mha,deltanet` on ')  # no --lrs: the default
 
 
 def test_capacity_of_an_untrained_state():

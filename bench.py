@@ -24,7 +24,6 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import replace
 from unittest.mock import patch
 
 import numpy as np
@@ -32,8 +31,9 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
+from checkpoint import FileError, num_params, write_atomic
 from configurator import Parser, check_device, check_memory, checked, describe, fail, memory_errors_in_one_line
-from model import GPT, GPTConfig, ATTN_LAYOUTS, linear_chunked, phi
+from model import GPT, GPTConfig, ATTN_LAYOUTS, linear_chunked
 
 os.environ.setdefault('KINETO_LOG_LEVEL', '6')  # no 'USDT: profiler_start' lines (inductor profiles GPU kernels)
 START = time.time()
@@ -87,7 +87,7 @@ def plot(path, lines, legend, **axes):
     ax.set(**axes)
     ax.grid(alpha=0.3, which='both')
     ax.legend(**legend)
-    PLOTS.append(lambda: fig.savefig(path, dpi=110))
+    PLOTS.append(lambda: write_atomic(path, lambda f: fig.savefig(f, dpi=110, format='png')))
 
 # --- cache: bytes per token, the model's formula next to a real cache ---------------------------------------
 
@@ -538,11 +538,7 @@ def main(argv=None):
     try:
         dtype = getattr(torch, args.dtype)
         cfgs = [GPTConfig(attn=LAYOUTS[a], **sizes) for a in args.layouts] if args.mode == 'decode' else []
-        with torch.device('meta'):  # counted, not allocated, at one and two patterns of layers (alike): any n_layer
-            P = [len(c.pattern()) for c in cfgs]
-            one, two = ([sum(p.numel() for p in GPT(replace(c, n_layer=n * P[i])).parameters()) for i, c in
-                         enumerate(cfgs)] for n in (1, 2))
-        need = sum(a + (args.n_layer // n - 1) * (b - a) for a, b, n in zip(one, two, P)) * dtype.itemsize  # all at once
+        need = sum(num_params(c) for c in cfgs) * dtype.itemsize  # counted, nothing built; all the models at once
         need += max(sum(c.cache_bytes(args.t + 1, dtype) * args.batch * (1 + args.compile) for c in cfgs) +
                     8 * args.batch * (args.t + 1) * len(cfgs),  # the caches, and the token ids
                     sum(c.cache_bytes(max(args.contexts) + 1, dtype) * len(args.contexts) for c in cfgs) +  # full buffers
@@ -563,15 +559,17 @@ def main(argv=None):
     report = {'cache': lambda: cache_report(args.layouts), 'train': lambda: train_report(args),
               'decode': lambda: decode_report(args, sizes), 'convert': lambda: convert_report(args),
               'mqar': lambda: mqar_report(args)}[args.mode]()
-    for save in PLOTS:
-        save()
-    with open(os.path.join(args.out, f'{args.mode}.md'), 'w') as f:
-        f.write(report)
-    print(report)
-    if args.readme:
-        head, rest = open('README.md').read().split(start, 1)  # read again: it may have been edited meanwhile
-        with open('README.md', 'w') as f:
-            f.write(head + start + "\n" + readme_section(args.mode, report, args.out) + end + rest.split(end, 1)[1])
+    try:  # each file whole or not at all: a full disk leaves the old one
+        for save in PLOTS:
+            save()
+        write_atomic(os.path.join(args.out, f'{args.mode}.md'), report)
+        print(report)
+        if args.readme:
+            head, rest = open('README.md').read().split(start, 1)  # read again: it may have been edited meanwhile
+            write_atomic('README.md', head + start + "\n" + readme_section(args.mode, report, args.out) + end +
+                         rest.split(end, 1)[1])
+    except FileError as e:
+        fail(str(e))
 
 if __name__ == '__main__':
     main()

@@ -11,6 +11,7 @@ overrides. Every key must be one of the defaults and every value must have the d
 import argparse
 import ast
 import difflib
+import errno
 import math
 import os
 import re
@@ -71,15 +72,19 @@ def check_memory(need, device, what):
         have = os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES')
     else:
         return
-    if need > have:
-        fail(f"{what} need at least {need / 1e9:,.1f} GB; this {device.split(':')[0].upper()} has {have / 1e9:,.1f} GB")
+    if need > have:  # (need is inf for a size whose byte count overflows)
+        amount = f"at least {need / 1e9:,.1f} GB" if math.isfinite(need) else "more bytes than a 64-bit count holds"
+        fail(f"{what} need {amount}; this {device.split(':')[0].upper()} has {have / 1e9:,.1f} GB")
 
 
 def memory_errors_in_one_line(sizes='batch_size, block_size, the model'):
-    """Out of memory (a size too large for this machine) is one line on stderr, not a traceback."""
+    """Out of memory (a size too large for this machine) and Ctrl-C are one line on stderr, not a traceback."""
     default = sys.excepthook
 
     def hook(kind, e, tb):
+        if issubclass(kind, KeyboardInterrupt):
+            print("error: interrupted", file=sys.stderr, flush=True)
+            os._exit(130)
         if issubclass(kind, MemoryError) or re.search(r"out of memory|can't allocate memory", str(e)):
             print(f"error: out of memory ({describe(e)}); try smaller sizes ({sizes})",
                   file=sys.stderr, flush=True)
@@ -87,6 +92,38 @@ def memory_errors_in_one_line(sizes='batch_size, block_size, the model'):
         else:
             default(kind, e, tb)
     sys.excepthook = hook
+
+
+class Output:
+    """sys.stdout or sys.stderr whose reader may go away (`| head` closed the pipe, the terminal hung up): the
+    output then goes to /dev/null and gone() is called once, instead of a BrokenPipeError at the next print."""
+
+    def __init__(self, stream, gone):
+        self.stream, self.gone, self.closed_out = stream, gone, False
+
+    def write(self, text):
+        return self.guard(self.stream.write, text) or len(text)
+
+    def flush(self):
+        self.guard(self.stream.flush)
+
+    def guard(self, call, *args):
+        try:
+            return call(*args)
+        except OSError as e:
+            if e.errno not in (errno.EPIPE, errno.EIO) or self.closed_out:
+                raise
+            self.closed_out = True  # the buffered bytes too: its file descriptor now writes to /dev/null
+            os.dup2(os.open(os.devnull, os.O_WRONLY), self.stream.fileno())
+            self.gone()
+
+    def __getattr__(self, name):
+        return getattr(self.stream, name)
+
+
+def on_closed_output(gone):
+    """Call gone() (once per stream) when stdout or stderr loses its reader; later output is dropped."""
+    sys.stdout, sys.stderr = Output(sys.stdout, gone), Output(sys.stderr, gone)
 
 
 def check(key, value, config, where):

@@ -574,5 +574,6 @@ def sample(logits, temperature=1.0, top_k=None, top_p=None):
     if top_p is not None:  # keep the smallest set of tokens whose probability reaches top_p
         probs, order = logits.softmax(-1).sort(descending=True)
         drop = probs.cumsum(-1) - probs >= top_p  # mass before this token already reaches top_p
+        drop[:, 0] = False  # the most likely token always stays (a top_p that rounds to 0 would drop them all)
         logits = logits.masked_fill(torch.zeros_like(drop).scatter(1, order, drop), -float('inf'))
     return torch.multinomial(F.softmax(logits, dim=-1), num_samples=1)

@@ -14,9 +14,10 @@ import time
 
 import torch
 
-from configurator import check_device, check_memory, configure, describe, fail, memory_errors_in_one_line
+from checkpoint import FileError, num_params, read_checkpoint
+from configurator import check_device, check_memory, configure, describe, fail, memory_errors_in_one_line, on_closed_output
 from data.common import PrepareError, check_meta, tokenizer
-from model import GPT, GPTConfig
+from model import GPT
 
 # -----------------------------------------------------------------------------
 out_dir = ''                # '' = the newest checkpoint under ./out*/
@@ -35,7 +36,8 @@ dtype = 'bfloat16' if torch.cuda.is_available() and torch.cuda.is_bf16_supported
 compile = False            # torch.compile the model, with a static cache (on CUDA: CUDA graphs)
 # -----------------------------------------------------------------------------
 config_keys = [k for k, v in globals().items() if not k.startswith('_') and isinstance(v, (int, float, bool, str))]
-memory_errors_in_one_line()
+memory_errors_in_one_line()  # and Ctrl-C: one line, exit 130
+on_closed_output(lambda: os._exit(0))  # `| head`: the reader has what it wanted; end quietly
 globals().update(configure({k: globals()[k] for k in config_keys if k != 'config_keys'}, sys.argv[1:], __file__))
 # -----------------------------------------------------------------------------
 
@@ -63,17 +65,22 @@ if ckpt_path is None:
 if found or ckpt_path.endswith('last.pt'):
     print(f"sampling {ckpt_path}", file=sys.stderr)
 try:
-    checkpoint = torch.load(ckpt_path, map_location=device, weights_only=True)
-    model = GPT(GPTConfig(**checkpoint['model_args']))
-    model.load_state_dict({k.removeprefix('_orig_mod.'): v for k, v in checkpoint['model'].items()})
-    meta = check_meta(checkpoint['meta'])
-except Exception as e:  # truncated, corrupted or foreign files all land here
-    fail(f"cannot load checkpoint {ckpt_path}: {describe(e)}")
+    ckpt, cfg = read_checkpoint(ckpt_path, device)
+except FileError as e:  # truncated, corrupted or foreign files all land here
+    fail(str(e))
 ptdtype = {'float32': torch.float32, 'bfloat16': torch.bfloat16, 'float16': torch.float16}[dtype]
-cfg = model.config  # at least: the weights, and per sample a full cache and the residual stream of a full window
-check_memory(sum(p.numel() for p in model.parameters()) * ptdtype.itemsize + num_samples * (
+# sized from its config before anything is built: the weights, and per sample a full cache and a window's activations
+check_memory(num_params(cfg) * ptdtype.itemsize + num_samples * (
     cfg.cache_bytes(cfg.block_size, ptdtype) + cfg.block_size * cfg.n_embd * ptdtype.itemsize),
-    device, f"num_samples={num_samples}: the weights, caches and activations")
+    device, f"{ckpt_path}'s model ({cfg.n_layer} layers, n_embd {cfg.n_embd}) and num_samples={num_samples}: "
+            "the weights, caches and activations")
+try:
+    model = GPT(cfg)
+    model.load_state_dict({k.removeprefix('_orig_mod.'): v for k, v in ckpt['model'].items()})
+    meta = check_meta(ckpt['meta'])
+except Exception as e:  # weights of another shape, a broken vocabulary
+    fail(f"cannot load checkpoint {ckpt_path}: {describe(e)}")
+ckpt = None
 model.eval().to(device=device, dtype=ptdtype)
 if compile:  # in place: stream() calls self(...), which a torch.compile(model) wrapper would not reach; on CUDA
     model.compile(mode='reduce-overhead' if 'cuda' in device else None)  # each decode step one CUDA graph replay

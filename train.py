@@ -9,7 +9,6 @@ Train one attention layout on tiny Shakespeare (nanoGPT's train.py, one layout s
 Every key below can be set by a config file or --key=value (see configurator.py).
 """
 
-import errno
 import glob
 import hashlib
 import importlib.util
@@ -17,34 +16,47 @@ import json
 import math
 import netrc
 import os
+import re
 import shlex
-import shutil
 import signal
 import sys
 import time
 from contextlib import nullcontext
 from dataclasses import asdict, fields, replace
 
-# Ctrl-C and SIGTERM (what `kill` and schedulers send) only set a flag (raising inside torch's import or a save
-# could abort the process or break a file): checked before the training loop (exit, nothing written), at every
-# iteration (save, then exit) and between evaluation batches (the evaluation is dropped)
-_interrupted = False  # (not a config key: names starting with _ are not)
+# Ctrl-C, SIGTERM (what `kill` and schedulers send), SIGHUP (the terminal closed) and an output whose reader went
+# away (`| head`) are interrupts. During start-up nothing is written yet: they stop the process at once, even in a slow
+# build. From the first write on they only set a flag (raising inside a save could break a file): checked at every
+# iteration (save, then exit 130) and between evaluation batches (the evaluation is dropped).
+_interrupted, _at_once = False, True  # (not config keys: names starting with _ are not)
 
 
-def on_interrupt(signum, frame):
+def on_interrupt(signum=None, frame=None):
     global _interrupted
     _interrupted = True
+    if _at_once:
+        stop_before_training()
 
 
-signal.signal(signal.SIGINT, on_interrupt)  # before the slow imports
-signal.signal(signal.SIGTERM, on_interrupt)
+def stop_before_training():
+    try:  # os.write, not print: a handler may run inside a print
+        os.write(2, b"error: interrupted before training started; nothing was written\n")
+    except OSError:
+        pass
+    os._exit(130)
+
+
+for _sig in ('SIGINT', 'SIGTERM', 'SIGHUP'):  # before the slow imports (Windows has no SIGHUP)
+    if hasattr(signal, _sig):
+        signal.signal(getattr(signal, _sig), on_interrupt)
 
 import numpy as np
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from configurator import check_device, check_memory, configure, describe, fail, memory_errors_in_one_line
+from checkpoint import RESUME, FileError, num_params, read_checkpoint, why, write_atomic
+from configurator import check_device, check_memory, configure, describe, fail, memory_errors_in_one_line, on_closed_output
 from convert import pool_kv_heads
 from data.common import PrepareError, check_meta, run_prepare, tokenizer
 from model import GPT, GPTConfig, mlp_hidden
@@ -110,6 +122,7 @@ seed = 1337                     # every random draw of training is a function of
 config_keys = [k for k, v in globals().items() if not k.startswith('_') and isinstance(v, (int, float, bool, str))
                and k not in ('config_keys',)]
 memory_errors_in_one_line()
+on_closed_output(on_interrupt)
 given = set()  # the keys a config file or flag set
 config = configure({k: globals()[k] for k in config_keys}, sys.argv[1:], __file__, given)
 globals().update(config)
@@ -143,6 +156,10 @@ if init_from == 'resume' and not previous:
     fail(f"init_from='resume' but there is no checkpoint at {ckpt_path}")
 if eval_only and init_from == 'scratch' and previous:
     fail(f"eval_only=True would evaluate a new random model, not {previous[0]}: add --init_from=resume")
+DATA = os.path.join(os.path.dirname(os.path.abspath(__file__)), 'data')
+if not (re.fullmatch(r'\w+', dataset) and os.path.isfile(os.path.join(DATA, dataset, 'prepare.py'))):  # runs it
+    known = sorted(d for d in os.listdir(DATA) if os.path.isfile(os.path.join(DATA, d, 'prepare.py')))
+    fail(f"dataset={dataset!r} is unknown: give one of {known} (a folder of data/); your own text goes in --data_dir")
 remake = f"python data/{dataset}/prepare.py --input FILE --out_dir {data_dir}" if data_dir else "delete it and run again"
 if data_dir and not os.path.exists(os.path.join(data_dir, 'train.bin')):  # a typo must not train on another text
     fail(f"no train.bin in data_dir={data_dir!r}: make one ({remake}), or leave data_dir empty for data/{dataset}/")
@@ -179,8 +196,6 @@ if master_process and not eval_only:  # (eval_only writes nothing: no lock)
         pass  # no fcntl (Windows): no guard against a second run
     except OSError:
         fail(f"out_dir={out_dir!r} is in use by another train.py run; wait for it to end or pass another --out_dir")
-    for stale in glob.glob(os.path.join(out_dir, '*.tmp[0-9]*')):  # temp files of killed runs; none is alive
-        os.remove(stale)
 torch.manual_seed(seed + ddp_rank)
 torch.backends.cuda.matmul.allow_tf32 = True
 torch.backends.cudnn.allow_tf32 = True
@@ -190,20 +205,22 @@ ptdtype = {'float32': torch.float32, 'bfloat16': torch.bfloat16, 'float16': torc
 ctx = nullcontext() if dtype == 'float32' else torch.autocast(device_type=device_type, dtype=ptdtype)
 
 # data: uint16 token ids; the memmap is re-opened for every batch (a kept one grows memory)
-data_dir = data_dir or os.path.join(os.path.dirname(os.path.abspath(__file__)), 'data', dataset)
+data_dir = data_dir or os.path.join(DATA, dataset)
 if not os.path.exists(os.path.join(data_dir, 'train.bin')) and master_process:
-    script = os.path.join(os.path.dirname(os.path.abspath(__file__)), 'data', dataset, 'prepare.py')
-    if not os.path.isfile(script):
-        fail(f"no {data_dir}/train.bin and no data/{dataset}/prepare.py to make it; dataset={dataset!r} is unknown")
+    script = os.path.join(DATA, dataset, 'prepare.py')
     print(f"preparing {dataset} into {data_dir} from " + (os.environ.get('SHAKESPEARE_PATH') or
           "a download (offline? set SHAKESPEARE_PATH=/path/to/input.txt)"))
     spec = importlib.util.spec_from_file_location('prepare', script)
     prepare = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(prepare)
+    _at_once = False  # it writes files: an interrupt waits for it
     try:
         run_prepare(prepare.prepare, data_dir)
     except PrepareError as e:
         fail(str(e))
+    _at_once = True
+    if _interrupted:
+        stop_before_training()
 if ddp:
     dist.barrier()  # the other ranks wait for rank 0 to lock out_dir and prepare the data
 try:
@@ -253,14 +270,9 @@ asked = GPTConfig(vocab_size=meta['vocab_size'], **model_args)
 def load_checkpoint(path):
     """A checkpoint train.py wrote, with its config checked, or one line naming what is wrong with it."""
     try:
-        ckpt = torch.load(path, map_location=device, weights_only=True)
-        kinds = {'model': dict, 'optimizer': dict, 'model_args': dict, 'iter_num': int, 'best_val_loss': float}
-        wrong = [k for k, kind in kinds.items() if not isinstance(ckpt.get(k), kind)]
-        if wrong:
-            raise ValueError(f"no {', '.join(wrong)} of the right kind in it: not a checkpoint of train.py")
-        return ckpt, GPTConfig(**ckpt['model_args'])
-    except Exception as e:  # truncated, corrupted, or not one of ours
-        fail(f"cannot load checkpoint {path}: {describe(e)}")
+        return read_checkpoint(path, device, RESUME)
+    except FileError as e:
+        fail(str(e))
 
 
 def flags(a, b):
@@ -270,7 +282,15 @@ def flags(a, b):
 
 
 if init_from == 'resume':
-    loaded = [(p, *load_checkpoint(p)) for p in previous]
+    loaded, broken = [], []
+    for p in previous:
+        try:
+            loaded.append((p, *read_checkpoint(p, device, RESUME)))
+        except FileError as e:
+            broken.append((p, str(e)))
+    if broken:  # never resumed from the other one silently: the broken one may be the later state
+        fail(broken[0][1] + (f"; {loaded[0][0]} (iteration {loaded[0][1]['iter_num']}) loads: move {broken[0][0]} "
+                             f"away to resume from it" if loaded else ""))
     resume_path, checkpoint, saved = max(loaded, key=lambda c: c[1]['iter_num'])  # the first of equals: ckpt.pt
     best_at = next((c['iter_num'] for p, c, _ in loaded if p == ckpt_path), None)
     loaded = None
@@ -309,11 +329,10 @@ try:
 except ValueError as e:  # this run's K/V heads for the source's n_head
     fail(f"converting {init_from}: {e}")
 block_size, tokens_per_iter = gptconf.block_size, tokens_per_iter // block_size * gptconf.block_size  # (converted)
-with torch.device('meta'):  # counted, not allocated: fp32 weights, gradients and AdamW's two moments, 16 bytes each
-    n_params = sum(p.numel() for p in GPT(gptconf).parameters())
+n_params = num_params(gptconf)  # counted, nothing built: fp32 weights, gradients and AdamW's two moments, 16 bytes each
 # and per token, at least: a dozen n_embd-wide tensors a layer kept for backward, fp32 logits and their gradient
 per_token = 12 * gptconf.n_layer * gptconf.n_embd * (4 if dtype == 'float32' else 2) + 8 * gptconf.vocab_size
-check_memory(16 * n_params + batch_size * block_size * per_token, device, f"{n_params / 1e6:,.1f}M parameters and "
+check_memory(16 * n_params + batch_size * block_size * per_token, device, f"{f'{n_params / 1e6:,.1f}M' if math.isfinite(n_params) else 'over 10^18'} parameters and "
              f"batch_size={batch_size} x block_size={block_size}: the weights, optimizer and activations")
 model = GPT(gptconf)
 if converting:
@@ -414,23 +433,10 @@ def save_checkpoint(path, val_loss=None):
     ckpt = {'model': raw_model.state_dict(), 'optimizer': optimizer.state_dict(), 'model_args': asdict(gptconf),
             'iter_num': iter_num, 'val_loss': val_loss, 'best_val_loss': best_val_loss, 'config': config, 'meta': meta,
             'wandb_id': wandb_id}
-    tmp = f"{path}.tmp{os.getpid()}"  # unique per process
     try:
-        with open(tmp, 'wb') as f:
-            torch.save(ckpt, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-        fd = os.open(out_dir, os.O_RDONLY)  # the rename itself reaches the disk
-        os.fsync(fd)
-        os.close(fd)
-    except (OSError, RuntimeError) as e:  # disk full, file size limit, I/O error: torch.save says RuntimeError
-        free = shutil.disk_usage(out_dir).free
-        if os.path.exists(tmp):
-            os.remove(tmp)
-        why = ("no space left on device (ENOSPC)" if getattr(e, 'errno', None) == errno.ENOSPC or free < 2 ** 20
-               else describe(e))
-        fail(f"cannot write {path}: {why}, {free:,} bytes free; {kept()}, the partial file removed")
+        write_atomic(path, lambda f: torch.save(ckpt, f), durable=True)
+    except FileError as e:
+        fail(f"{e}; {kept()}, no partial file left")
     print(f"saving checkpoint to {path}")
 
 
@@ -465,16 +471,38 @@ metrics_path = os.path.join(out_dir, 'metrics.jsonl')
 
 
 def log(row):
-    """One row to out_dir/metrics.jsonl and, with wandb_log, to Weights & Biases; eval_only writes nothing."""
+    """One row to out_dir/metrics.jsonl (strict JSON: a non-finite number is null) and, with wandb_log, to Weights &
+    Biases; eval_only writes nothing. A failed write (disk full) stops the run, the log as it was before the row."""
     if eval_only:
         return
+    line = json.dumps({k: v if not isinstance(v, float) or math.isfinite(v) else None for k, v in row.items()}) + '\n'
     if not started:
-        pending.append(json.dumps(row) + '\n')
+        pending.append(line)
     else:
-        with open(metrics_path, 'a') as f:
-            f.write(json.dumps(row) + '\n')
-    if wandb_log:  # (cache bytes/token is a constant: in the summary)
-        wandb.log({k: v for k, v in row.items() if k != 'cache_bytes_per_token'}, step=row['iter'])
+        size = os.path.getsize(metrics_path) if os.path.isfile(metrics_path) else 0
+        try:
+            with open(metrics_path, 'a') as f:
+                f.write(line)
+        except OSError as e:
+            with open(metrics_path, 'r+') as f:  # the row's written part cut off again
+                f.truncate(size)
+            fail(f"cannot write {metrics_path}: {why(e, metrics_path)}; stopped, {kept()}, the log's last "
+                 f"row whole")
+    to_wandb(lambda: wandb.log({k: v for k, v in row.items() if k != 'cache_bytes_per_token'}, step=row['iter']))
+
+
+def to_wandb(call):
+    """A W&B call, with wandb_log; one that fails (network, disk, permissions) stops W&B logging with one warning,
+    never the run: training, checkpoints and metrics.jsonl go on."""
+    global wandb_log
+    if not (wandb_log and master_process):
+        return
+    try:
+        call()
+    except Exception as e:
+        wandb_log = False
+        print(f"warning: W&B logging stopped ({describe(e)}); training goes on, metrics.jsonl has every row",
+              file=sys.stderr)
 
 
 def wandb_credentials():
@@ -491,17 +519,27 @@ if wandb_log and master_process:
     mode = wandb_mode or os.environ.get('WANDB_MODE') or ('online' if wandb_credentials() else 'offline')
     if mode not in ('online', 'offline', 'disabled'):
         fail(f"wandb_mode={mode!r} should be online, offline or disabled")
+    if mode == 'online' and not wandb_credentials():
+        fail("wandb_mode=online needs W&B credentials (`wandb login`, or WANDB_API_KEY); or log offline with "
+             "--wandb_mode=offline and `wandb sync` later")
     os.environ['WANDB_MODE'] = mode  # decided before init: wandb must never prompt or wait for a network
-    import wandb
+    _at_once = False  # it writes files: an interrupt waits for it
+    try:
+        import wandb
+    except ImportError as e:
+        fail(f"wandb_log=True needs wandb ({describe(e)}): pip install -r requirements.txt, or --wandb_log=False")
     origin = f"-from-{os.path.basename(os.path.normpath(init_from))}" if converting else ''
     name = wandb_run_name or f"{attn}{origin}-{time.strftime('%Y%m%d-%H%M%S')}"
     name = name if attn in name else f"{attn}-{name}"
     wandb_id = wandb_id or os.urandom(4).hex()  # kept in the checkpoint: a resume continues this run
     model_info = {'model': asdict(gptconf), 'params': raw_model.get_num_params(), 'mlp_hidden': mlp_hidden(gptconf),
                   'tokens_per_iter': tokens_per_iter}  # the resolved shape (n_kv_head, MLA d_c / d_R, ...)
-    run = wandb.init(project=wandb_project, name=name, id=wandb_id, resume='allow', mode=mode,
-                     config={**config, **model_info})
-    run.summary.update({'params': model_info['params'], 'cache_bytes_per_token': cache_bytes_per_token})
+    try:  # a W&B problem is one line before training starts (later, a warning: see to_wandb)
+        run = wandb.init(project=wandb_project, name=name, id=wandb_id, resume='allow', mode=mode,
+                         config={**config, **model_info})
+        run.summary.update({'params': model_info['params'], 'cache_bytes_per_token': cache_bytes_per_token})
+    except Exception as e:
+        fail(f"W&B could not start ({describe(e)}); train without it (--wandb_log=False) or --wandb_mode=offline")
     print(f"W&B run {name} ({mode}) in {os.path.relpath(os.path.dirname(run.dir))}" +
           (f"; upload it later with: wandb sync {os.path.relpath(os.path.dirname(run.dir))}" if mode == 'offline' else ''))
 
@@ -514,9 +552,9 @@ def stop_requested():  # Ctrl-C on any rank: every DDP rank stops at the same it
     return bool(flag.item())
 
 
+_at_once = False  # from here on an interrupt is a flag, checked at every iteration
 if stop_requested():
-    print("error: interrupted before training started; nothing was written", file=sys.stderr)
-    sys.exit(130)
+    stop_before_training()
 started, pending = False, []  # the rows logged before the run's first write
 
 
@@ -527,18 +565,20 @@ def start_run():
     if started or not master_process or eval_only:
         return
     started = True
+    for name in ('ckpt.pt', 'last.pt', 'metrics.jsonl'):  # the temp files of killed runs (none is alive: the lock);
+        for stale in glob.glob(os.path.join(glob.escape(out_dir), f'{name}.tmp[0-9]*')):  # only ours: NAME.tmpPID
+            if re.fullmatch(rf'{re.escape(name)}\.tmp\d+', os.path.basename(stale)) and os.path.isfile(stale):
+                os.remove(stale)
     if init_from != 'resume':
         for old in previous:  # --overwrite=True (checked at start-up)
             os.remove(old)
             print(f"removed {old} (--overwrite=True)")
-        open(metrics_path, 'w').close()  # a new run (or conversion) starts a new log
-    elif os.path.isfile(metrics_path):  # resume: what was logged past the checkpoint is redone
-        tmp = f"{metrics_path}.tmp{os.getpid()}"
-        with open(tmp, 'w') as f:
-            f.writelines(rows_before(metrics_path, iter_num))
-        os.replace(tmp, metrics_path)  # one iteration column, never going back
-    with open(metrics_path, 'a') as f:
-        f.writelines(pending)
+    # a new run (or conversion) starts a new log; a resume redoes what was logged past its checkpoint
+    rows = rows_before(metrics_path, iter_num) if init_from == 'resume' and os.path.isfile(metrics_path) else []
+    try:
+        write_atomic(metrics_path, ''.join(rows + pending))  # one iteration column, never going back
+    except FileError as e:
+        fail(f"{e}; stopped, {kept()}")
 
 
 # training loop
@@ -562,9 +602,9 @@ while True:
             text = sample_text()
             if sample_every_eval:
                 print(f"sample:\n{text}\n---")
-            if wandb_log:
-                samples.append([iter_num, attn, text])
-                wandb.log({'samples': wandb.Table(columns=['iter', 'layout', 'text'], data=samples)}, step=iter_num)
+            samples.append([iter_num, attn, text])
+            to_wandb(lambda: wandb.log({'samples': wandb.Table(columns=['iter', 'layout', 'text'], data=samples)},
+                                       step=iter_num))
         log({'iter': iter_num, 'train/loss': losses['train'], 'val/loss': losses['val'], 'lr': lr,
              'cache_bytes_per_token': cache_bytes_per_token})
         if not (math.isfinite(losses['train']) and math.isfinite(losses['val'])):  # never saved, whatever the flags
@@ -572,8 +612,7 @@ while True:
                  f"{losses['val']}); stopped, {kept()} (try a lower learning_rate)")
         if (losses['val'] < best_val_loss or always_save_checkpoint) and not eval_only:
             best_val_loss = min(best_val_loss, losses['val'])
-            if wandb_log:
-                run.summary['best_val_loss'] = best_val_loss
+            to_wandb(lambda: run.summary.update({'best_val_loss': best_val_loss}))
             if iter_num != best_at and (local_iter_num > 0 or init_from == 'resume'):  # not yet in ckpt.pt
                 save_checkpoint(ckpt_path, losses['val'])
                 best_at = iter_num
@@ -589,11 +628,11 @@ while True:
             save_checkpoint(last_path)
         if master_process and stop and not started:
             print("error: interrupted before the first training step; nothing was written", file=sys.stderr)
-        elif master_process and stop:
+        elif master_process and stop:  # (on stderr if stdout has lost its reader: `| head`)
             print(f"interrupted before iteration {iter_num}: its state saved to "
                   f"{last_path if os.path.isfile(last_path) else ckpt_path}"
                   f"{', the best weights kept in ' + ckpt_path if os.path.isfile(ckpt_path) else ''}; continue with:\n"
-                  f"  {resume_command()}")
+                  f"  {resume_command()}", file=sys.stderr if sys.stdout.closed_out else sys.stdout)
         break
 
     torch.manual_seed(hash((seed, ddp_rank, iter_num)) % 2 ** 63)  # dropout masks: a function of the iteration
@@ -636,12 +675,17 @@ if ddp:  # every rank must end with the same weights
     sys.stdout.flush()  # then the line in one write: the ranks share one stdout
     print(f"rank {ddp_rank}: weights sha256 {digest.hexdigest()[:16]}", flush=True)
     dist.destroy_process_group()
-if wandb_log and master_process:
-    if wandb_log_checkpoint and os.path.isfile(ckpt_path):
-        artifact = wandb.Artifact(f"{wandb_id}-ckpt", type='model', metadata={'best_val_loss': best_val_loss})
-        artifact.add_file(ckpt_path)
-        wandb.log_artifact(artifact)
-    wandb.finish()
+
+
+def upload_checkpoint():  # ckpt.pt, the best weights, as a W&B artifact
+    artifact = wandb.Artifact(f"{wandb_id}-ckpt", type='model', metadata={'best_val_loss': best_val_loss})
+    artifact.add_file(ckpt_path)
+    wandb.log_artifact(artifact)
+
+
+if wandb_log_checkpoint and os.path.isfile(ckpt_path):
+    to_wandb(upload_checkpoint)
+to_wandb(lambda: wandb.finish())
 if ddp:  # DDP keeps gloo's worker threads alive past destroy_process_group; one that frees a tensor while
     sys.stdout.flush(), sys.stderr.flush()  # Python shuts down aborts the run (SIGABRT). All is saved by now,
     os._exit(130 if stop else 0)  # so leave without that shutdown

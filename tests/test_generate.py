@@ -54,6 +54,7 @@ def test_sample_top_k_top_p():
     assert torch.equal(sample(logits, temperature=0), greedy)
     assert torch.equal(sample(logits, top_k=1), greedy)
     assert torch.equal(sample(logits, top_p=1e-6), greedy)
+    assert torch.equal(sample(logits, top_p=1e-300), greedy)  # 0 in float32: the top token is still kept
     draws = torch.cat([sample(logits, top_k=3) for _ in range(200)], 1)
     top3 = logits.topk(3).indices
     assert all(set(draws[i].tolist()) <= set(top3[i].tolist()) for i in range(8))

@@ -122,6 +122,9 @@ def command(args, *options):
 def train_run(run_dir, args):
     """train.py with args into run_dir: its metrics.jsonl rows, evaluations, parameters, tokens/iter."""
     new = run_dir + '.new'  # an earlier run in run_dir is replaced once this one succeeded, never lost to a failed one
+    for d in (run_dir, new):  # folders bench.py made: never a user's that happens to sit there
+        if os.path.isdir(d) and os.listdir(d) and not os.path.isfile(os.path.join(d, 'metrics.jsonl')):
+            fail(f"{d} holds files bench.py did not write (no metrics.jsonl): move them, or give another --out")
     shutil.rmtree(new, ignore_errors=True)
     cmd = [sys.executable, 'train.py', *args, f'--out_dir={new}', '--wandb_log=False']
     progress(' '.join(cmd[1:]))

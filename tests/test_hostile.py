@@ -223,3 +223,12 @@ def test_wandb_failures_are_one_line_at_start_or_one_warning_later(tmp_path, cha
     assert r.returncode == 0 and 'Traceback' not in r.stderr, r.stderr
     assert r.stderr.count('warning: W&B logging stopped (PermissionError') == 1, r.stderr
     assert os.path.isfile(tmp_path / 'log' / 'ckpt.pt') and max(m['iter'] for m in metrics(tmp_path / 'log')) == 4
+
+
+def test_bench_never_replaces_a_folder_it_did_not_write(tmp_path):
+    """bench.py train replaces OUT/train/LAYOUT with a new run: not when that folder holds someone else's files."""
+    (tmp_path / 'train' / 'mha').mkdir(parents=True)
+    (tmp_path / 'train' / 'mha' / 'thesis.tex').write_text('precious')
+    r = run('bench.py', 'train', '--layouts=mha', '--max_iters=1', f'--out={tmp_path}')
+    assert "holds files bench.py did not write" in one_line(r)
+    assert (tmp_path / 'train' / 'mha' / 'thesis.tex').read_text() == 'precious'

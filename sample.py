@@ -172,6 +172,9 @@ rows = [('layout', cfg.attn), ('device / dtype', f"{device} / {dtype}"),
         ('cache bytes / token: formula', f"{formula:,.1f}" + ('  (incl. the fixed state / tokens)' if state else ''))]
 width = max(len(k) for k, _ in rows)
 print('\n'.join(f"{k:<{width}} | {v}" for k, v in rows))
-if len(x[0]) + max_new_tokens > cfg.block_size and cfg.softmax:
+if state:  # bytes that do not grow over tokens that do: the ratio falls as the window fills
+    print(f"(the linear layers keep a fixed state: its bytes / token here are over the {len(cache)} tokens the window "
+          f"holds now; train.py reports them at block_size={cfg.block_size} tokens)")
+if len(x[0]) + max_new_tokens > cfg.block_size:
     print(f"(the cache holds {len(cache)} tokens, not {len(x[0]) + max_new_tokens}: past block_size={cfg.block_size} "
           f"the window slides, and the cache is refilled with the last block_size / 2 tokens)")

@@ -93,17 +93,18 @@ def save(out_dir, train_ids, val_ids, meta):
         raise PrepareError(f"vocab_size {meta['vocab_size']} does not fit uint16")
     os.makedirs(out_dir, exist_ok=True)
     paths = [os.path.join(out_dir, name) for name in ('train.bin', 'val.bin', 'meta.json')]
+    tmp = f".tmp{os.getpid()}"  # per process: two runs preparing the same folder never write one temp file
     try:
-        np.asarray(train_ids, dtype=np.uint16).tofile(paths[0] + '.tmp')
-        np.asarray(val_ids, dtype=np.uint16).tofile(paths[1] + '.tmp')
-        with open(paths[2] + '.tmp', 'w', encoding='utf-8') as f:
+        np.asarray(train_ids, dtype=np.uint16).tofile(paths[0] + tmp)
+        np.asarray(val_ids, dtype=np.uint16).tofile(paths[1] + tmp)
+        with open(paths[2] + tmp, 'w', encoding='utf-8') as f:
             json.dump(meta, f, ensure_ascii=False)
         for path in paths:
-            os.replace(path + '.tmp', path)
+            os.replace(path + tmp, path)
     finally:
         for path in paths:  # what a failed write left behind
-            if os.path.isfile(path + '.tmp'):
-                os.remove(path + '.tmp')
+            if os.path.isfile(path + tmp):
+                os.remove(path + tmp)
     print(f"{out_dir}: train {len(train_ids):,} tokens, val {len(val_ids):,} tokens, vocab {meta['vocab_size']:,}")
 
 

@@ -71,11 +71,11 @@ def test_a_failed_write_leaves_the_previous_dataset_whole(tmp_path):
     alike) changes none of the previous files and leaves no temp file."""
     for name in ('train.bin', 'val.bin', 'meta.json'):
         (tmp_path / name).write_text(f'previous {name}')
-    (tmp_path / 'meta.json.tmp').mkdir()  # its write fails
+    (tmp_path / f'meta.json.tmp{os.getpid()}').mkdir()  # its write fails
     with pytest.raises(OSError):
         common.save(str(tmp_path), [1, 2, 3], [4], {'kind': 'char', 'vocab_size': 5, 'itos': list('abcde')})
     assert all((tmp_path / n).read_text() == f'previous {n}' for n in ('train.bin', 'val.bin', 'meta.json'))
-    assert sorted(os.listdir(tmp_path)) == ['meta.json', 'meta.json.tmp', 'train.bin', 'val.bin']
+    assert sorted(os.listdir(tmp_path)) == ['meta.json', f'meta.json.tmp{os.getpid()}', 'train.bin', 'val.bin']
 
 
 def test_prepare_into_a_file_or_unwritable_folder_is_one_line(tmp_path):

@@ -191,6 +191,7 @@ def test_bad_arguments_are_one_line(tmp_path, capsys, monkeypatch):
         assert e.value.code == 2 and msg in err and len(err.strip().splitlines()) == 1, err
     (tmp_path / 't' / 'train' / 'mha').mkdir(parents=True)
     (tmp_path / 't' / 'train' / 'mha' / 'ckpt.pt').write_text('an earlier run')
+    (tmp_path / 't' / 'train' / 'mha' / 'metrics.jsonl').write_text('{"iter": 0}\n')  # bench.py wrote it
     with pytest.raises(SystemExit) as e:  # a value train.py refuses: its line, after bench's progress line, exit 2
         bench_module.main(['train', '--layouts=mha', f'--out={tmp_path / "t"}', '--', '--n_layer=0'])
     err = capsys.readouterr().err.strip().splitlines()

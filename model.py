@@ -244,23 +244,44 @@ class CausalSelfAttention(Attention):
         return LayerCache([shape, shape], dtype, device)
 
 class ShortConv(torch.autograd.Function):
-    """The causal depthwise conv c_t = Σ_j w_j x_{t-K+1+j}, w (K, C), over x (B, K - 1 + L, C): these L inputs and the
-    K - 1 before them. Its backward written out: autograd's, through K shifted slices, zero-fills and adds x K times."""
+    """The causal depthwise conv c_t = Σ_s w_{K-1-s} x_{t-s} (s = 0 .. K-1), w (K, C), over x (B, T, C), zeros before
+    x_0. Its backward written out: autograd's, through K shifted slices, zero-fills and adds x K times."""
 
     @staticmethod
     def forward(ctx, x, w):
         ctx.save_for_backward(x, w)
-        c = x[:, :x.size(1) - len(w) + 1] * w[0]                             # (B, L, C)
-        for j in range(1, len(w)):
-            c.addcmul_(x[:, j:j + c.size(1)], w[j])
+        c = x * w[-1]                                                        # (B, T, C): s = 0, the token itself
+        for s in range(1, min(len(w), x.size(1))):                           # s tokens back
+            c[:, s:].addcmul_(x[:, :-s], w[-1 - s])
         return c
 
     @staticmethod
     def backward(ctx, dc):
-        (x, w), dx, L = ctx.saved_tensors, torch.zeros_like(ctx.saved_tensors[0]), dc.size(1)
-        for j in range(len(w)):
-            dx[:, j:j + L].addcmul_(dc, w[j])
-        return dx, torch.stack([(dc * x[:, j:j + L]).sum((0, 1)) for j in range(len(w))])
+        x, w = ctx.saved_tensors
+        dx, dw = dc * w[-1], torch.zeros_like(w)
+        dw[-1] = (dc * x).sum((0, 1))
+        for s in range(1, min(len(w), x.size(1))):
+            dx[:, :-s].addcmul_(dc[:, s:], w[-1 - s])
+            dw[-1 - s] = (dc[:, s:] * x[:, :-s]).sum((0, 1))
+        return dx, dw
+
+class UnitLowerSolve(torch.autograd.Function):
+    """u = (I + A)⁻¹ e for the strictly lower part of A (..., C, C), through the inverse, kept for the backward:
+    there de = (I + A)⁻ᵀ du is a product, where autograd's would solve again (a small LAPACK call per matrix)."""
+
+    @staticmethod
+    def forward(ctx, A, e):
+        eye = torch.eye(A.size(-1), dtype=A.dtype, device=A.device).expand_as(A)
+        T = torch.linalg.solve_triangular(A, eye, upper=False, unitriangular=True)     # (I + A)⁻¹
+        u = T @ e
+        ctx.save_for_backward(T, u)
+        return u
+
+    @staticmethod
+    def backward(ctx, du):
+        T, u = ctx.saved_tensors
+        de = T.mT @ du
+        return (de @ u.mT).neg_().tril_(-1), de  # only j < i of A is read
 
 def phi(x):
     """elu(x) + 1 > 0, computed in float32 at least: in bf16 elu(x) + 1 rounds to 0 near x = -8."""
@@ -305,7 +326,7 @@ def linear_chunked(q, k, v, g, beta, S, delta, chunk_size, keep_state=True):
         eG = G.exp()                                                                  # (B, nh, C, 1)
         if delta:  # the errors of the memory on each key, corrected for the writes before it in the chunk
             err = beta[..., None] * (u if S is None else u - eG * (k @ S))
-            u = torch.linalg.solve_triangular(A, err, upper=False, unitriangular=True)  # (I + A)⁻¹ err
+            u = UnitLowerSolve.apply(A, err)                                           # (I + A)⁻¹ err
         y = scores @ u                                                                # (B, nh, C, d_v)
         out.append(y if S is None else y + eG * (q @ S))
         if n < N - 1 or keep_state:  # the state carried to the next chunk; None is zero, its products skipped
@@ -339,13 +360,13 @@ class LinearAttention(Attention):
     def forward(self, x, rope, pos, cache=None):
         (B, L, _), H, f32 = x.shape, self.n_head, torch.promote_types(x.dtype, torch.float32)
         parts = dict(zip(self.parts, self.c_attn(x).split(list(self.parts.values()), dim=-1)))
-        no_cache = [None, x.new_zeros(B, self.config.conv_size - 1, 3 * self.config.n_embd, dtype=f32)]
-        S, *seen = cache.bufs if cache is not None else no_cache  # the state (None: zero) and the conv's last inputs
+        S, *seen = cache.bufs if cache is not None else [None]  # the state (None: zero) and the conv's last inputs
         with torch.autocast(x.device.type, enabled=False):  # the conv, the gates, the state and the solve in f32
             qkv = parts['qkv'].to(f32)                                                 # (B, L, 3 n_embd)
-            if not self.normalizer:  # c_t = Σ_j w_j x_{t-K+1+j}: the conv sees the K - 1 inputs before these L, cached
-                seen = torch.cat([seen[0], qkv], 1)                                    # (B, K - 1 + L, 3 n_embd)
+            if not self.normalizer:  # the conv over the last K tokens: with a cache, the K - 1 before these L
+                seen = torch.cat([seen[0], qkv], 1) if seen else qkv                   # (B, K - 1 + L, 3 n_embd)
                 qkv = F.silu(ShortConv.apply(seen, self.conv.to(f32)))
+                qkv = qkv[:, -L:] if cache is not None else qkv  # (in training no slice: its backward zero-fills)
             q, k, v = self.heads(qkv, 3 * H).split(H, dim=1)                           # (B, nh, L, hs) each
             if self.normalizer:
                 q, k, v = phi(q), phi(k), F.pad(v, (0, 1), value=1.0)  # v's last channel of ones sums z = Σ phi(k)

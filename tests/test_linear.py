@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from conftest import make_model
-from model import GPT, GPTConfig, LINEAR_RULES, ShortConv, linear_chunked, linear_step, phi
+from model import GPT, GPTConfig, LINEAR_RULES, ShortConv, UnitLowerSolve, linear_chunked, linear_step, phi
 
 B, H, T, D = 2, 3, 50, 8
 
@@ -72,11 +72,26 @@ def test_no_gate_is_a_gate_of_one(delta):
         torch.testing.assert_close(a, b, atol=1e-12, rtol=0)
 
 
-def test_short_conv_backward():
-    """The conv's hand-written backward against finite differences of its forward; its forward against the taps."""
-    x, w = torch.randn(2, 3 + 6, 5, dtype=torch.float64), torch.randn(4, 5, dtype=torch.float64)
-    torch.testing.assert_close(ShortConv.apply(x, w), sum(w[j] * x[:, j:j + 6] for j in range(4)), atol=1e-12, rtol=0)
+@pytest.mark.parametrize('T', [9, 2])  # 2: fewer tokens than taps
+def test_short_conv_backward(T):
+    """The conv's hand-written backward against finite differences of its forward; its forward against the taps,
+    zeros before the first token."""
+    x, w = torch.randn(2, T, 5, dtype=torch.float64), torch.randn(4, 5, dtype=torch.float64)
+    padded = F.pad(x, (0, 0, 3, 0))
+    torch.testing.assert_close(ShortConv.apply(x, w), sum(w[j] * padded[:, j:j + T] for j in range(4)), atol=1e-12, rtol=0)
     assert torch.autograd.gradcheck(ShortConv.apply, (x.requires_grad_(), w.requires_grad_()))
+
+
+@pytest.mark.parametrize('C', [1, 7, 16])
+def test_unit_lower_solve_backward(C):
+    """u = (I + A)⁻¹ e through the kept inverse: against LAPACK's solve, its backward against finite differences;
+    only A's strictly lower part is read (its diagonal and upper part get no gradient)."""
+    A, e = torch.randn(2, 3, C, C, dtype=torch.float64) * 0.3, torch.randn(2, 3, C, 4, dtype=torch.float64)
+    ref = torch.linalg.solve_triangular(A, e, upper=False, unitriangular=True)
+    torch.testing.assert_close(UnitLowerSolve.apply(A, e), ref, atol=1e-12, rtol=0)
+    assert torch.autograd.gradcheck(UnitLowerSolve.apply, (A.requires_grad_(), e.requires_grad_()))
+    UnitLowerSolve.apply(A, e).sum().backward()
+    assert torch.equal(A.grad.triu(), torch.zeros_like(A)) and (C == 1 or A.grad.tril(-1).abs().sum() > 0)
 
 
 def test_what_each_corner_writes():

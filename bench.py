@@ -417,7 +417,7 @@ def mqar_report(args):
     cores), its best lr kept as Zoology does; recall per N; and the untrained capacity."""
     from concurrent.futures import ProcessPoolExecutor, as_completed
     from multiprocessing import get_context
-    from data.mqar.prepare import prepare
+    from data.mqar.prepare import VALUES, prepare
     path = prepare(os.path.join(args.out, 'mqar'))  # made again each run: seeded, seconds
     data = np.load(path)
     pairs = sorted(int(k.split('_')[-1]) for k in data.files if k.startswith('val_x_'))
@@ -462,7 +462,8 @@ def mqar_report(args):
             f"{shape[0] * len(pairs):,} training sequences of {shape[1]} tokens, N = {', '.join(map(str, pairs))} "
             f"mixed), a {MQAR['n_layer']}-layer model per layout ({MQAR['n_head']} heads, n_embd {d}, head_dim d_k = "
             f"{head_dim}, MLP sized to MHA's parameter count; hybrid = 'gated_deltanet+gqa'), {args.max_iters} AdamW "
-            f"steps of 32 sequences {how}; recall = answers right on 500 held-out sequences per N.\n\n"
+            f"steps of 32 sequences {how}; recall = answers right on 500 held-out sequences per N (chance, a guess "
+            f"among the {VALUES} values: {1 / VALUES:.1%}).\n\n"
             + trained + "\n![MQAR recall vs pairs](mqar.png)\n" + MORE + "\n**Mean recall over N at each lr** (the "
             "runs the table above picks from):\n\n" + every_lr + "\n**The state's capacity, no training**: N random "
             f"unit keys and values (d_k = {head_dim}) written into one head's state by model.py's update, then every key "

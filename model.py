@@ -49,8 +49,10 @@ class GPTConfig:
 
     def __post_init__(self):
         whole = lambda least: (lambda v: isinstance(v, int) and v >= least, f"must be an integer >= {least}")
-        rules = [('attn', lambda v: isinstance(v, str) and bool(self.pattern()),
-                  f"must be one of {ATTN_LAYOUTS}, or a hybrid of them like 'gated_deltanet*3+gqa'"),  # (field, test, rule)
+        wrong = [p for p in self.attn.split('+') if not self.pattern(p)] if isinstance(self.attn, str) else []
+        rules = [('attn', lambda v: isinstance(v, str) and bool(self.pattern()),  # (field, test, rule)
+                  f"must be one of {ATTN_LAYOUTS}, or a hybrid of them like 'gated_deltanet*3+gqa' (a count from 1 to "
+                  f"999999){''.join(f'; not {p!r}' for p in wrong[:3] if len(wrong) < len(self.attn.split('+')))}"),
                  ('pos_emb', lambda v: v in ('rope', 'learned'), "must be one of ('rope', 'learned')"),
                  *[(f, *whole(1)) for f in ('block_size', 'vocab_size', 'n_layer', 'n_head', 'n_embd', 'chunk_size',
                                             'conv_size')],
@@ -86,9 +88,10 @@ class GPTConfig:
     def bad(self, field, rule):
         raise ValueError(f"GPTConfig.{field}={getattr(self, field)!r} is invalid: {rule}")
 
-    def pattern(self):
+    def pattern(self, attn=None):
         """'gated_deltanet*3+gqa' -> [gated_deltanet, gated_deltanet, gated_deltanet, gqa]; [] if not one."""
-        parts = [p.partition('*') for p in self.attn.split('+')] if isinstance(self.attn, str) else [('', '', '')]
+        attn = self.attn if attn is None else attn
+        parts = [p.partition('*') for p in attn.split('+')] if isinstance(attn, str) else [('', '', '')]
         ok = all(name in ATTN_LAYOUTS and (not star or n.isascii() and n.isdigit() and 0 < int(n[:7]) < 10 ** 6)
                  for name, star, n in parts)  # (a count of a million layers is refused before it is built)
         return [name for name, _, n in parts for _ in range(int(n or 1))] if ok else []

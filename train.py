@@ -369,7 +369,9 @@ if master_process:
     print(f"tokens per iteration will be: {tokens_per_iter:,}")
     print(f"{gptconf.attn}: {raw_model.get_num_params() / 1e6:.2f}M parameters, "
           f"cache {cache_bytes_per_token:,.0f} bytes/token at block_size {block_size} ({dtype})"
-          + (" (a fixed state: the bytes shrink as the context grows)" if not gptconf.softmax else ""))
+          + (" (a fixed state: the bytes shrink as the context grows)" if not gptconf.softmax else "")
+          + (f"; layers: {', '.join(f'{a} x{n}' for a, n in gptconf.layer_counts().items())} (a fixed state in the "
+             f"linear ones)" if len(gptconf.layer_counts()) > 1 else ""))
 
 
 @torch.no_grad()

@@ -3,5 +3,5 @@
 # the CPU preset's 4: 3 GDN, GQA). Everything else is train.py's defaults (nanoGPT's train_shakespeare_char.py).
 out_dir = 'out-shakespeare-char-hybrid'
 attn = 'gated_deltanet*3+gqa'
-n_kv_head = 2             # the GQA layer's: 3 query heads share each K/V head
+n_kv_head = 2             # the GQA layer's: n_head / 2 query heads share each K/V head (3 here, 2 on config/cpu.py)
 match_mha_params = True   # MLP sized to MHA's parameter count

@@ -8,7 +8,8 @@ BAD = [
                          r"'gated_deltanet'\), or a hybrid"),
     (dict(attn='delta'), r"attn='delta' is invalid"),                       # an unknown rule
     (dict(attn='gated_deltanet*3+gqa', n_layer=3), r"attn.*has 4 layers, more than n_layer=3"),  # does not fit
-    (dict(attn='deltanet*0+gqa'), r"attn.*hybrid"), (dict(attn='deltanet*x+gqa'), r"attn.*hybrid"),
+    (dict(attn='deltanet*0+gqa'), r"attn.*hybrid.*; not 'deltanet\*0'$"), (dict(attn='deltanet*x+gqa'), r"attn.*hybrid"),
+    (dict(attn='mamba2*2+foo+gqa'), r"hybrid.*; not 'foo'$"),  # the wrong part named
     (dict(attn='deltanet+'), r"attn.*hybrid"), (dict(attn=3), r"attn=3 is invalid"),
     (dict(attn='mha*99999999999'), r"attn.*hybrid"), (dict(attn='mha*\u00b2'), r"attn.*hybrid"),  # refused unbuilt
     (dict(attn='mha*\uff13'), r"attn.*hybrid"),  # a full-width 3: ASCII digits only

@@ -286,6 +286,9 @@ class UnitLowerSolve(torch.autograd.Function):
         de = T.mT @ du
         return (de @ u.mT).neg_().tril_(-1), de  # only j < i of A is read
 
+def l2norm(x):  # x / sqrt(|x|² + 1e-6) as in fla and Qwen3-Next (F.normalize's backward: ~5% of a step slower)
+    return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + 1e-6)
+
 def phi(x):
     """elu(x) + 1 > 0, computed in float32 at least: in bf16 elu(x) + 1 rounds to 0 near x = -8."""
     x = x.to(torch.promote_types(x.dtype, torch.float32))
@@ -374,7 +377,7 @@ class LinearAttention(Attention):
             if self.normalizer:
                 q, k, v = phi(q), phi(k), F.pad(v, (0, 1), value=1.0)  # v's last channel of ones sums z = Σ phi(k)
             else:
-                q, k = F.normalize(q, dim=-1) * self.head_dim ** -0.5, F.normalize(k, dim=-1)
+                q, k = l2norm(q) * self.head_dim ** -0.5, l2norm(k)
             g, beta = self.knob(parts, B, L, f32)                                      # (B, nh, L) each
             y, new_S = (linear_step(q, k, v, g, beta, S, self.delta) if L == 1 and S is not None else  # decode
                         linear_chunked(q, k, v, g, beta, S, self.delta, self.config.chunk_size, S is not None))

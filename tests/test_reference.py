@@ -231,11 +231,11 @@ def delta_family_ref(attn, x, layout, erase=True, forget=True, gamma_sign=1.0, f
     DeltaNet (Yang et al. 2024)    S_t = S_{t-1} (I - β_t k_t k_tᵀ) + β_t v_t k_tᵀ,  β_t = σ(W_β x_t);
     Gated DeltaNet (Yang et al.)   S_t = α_t S_{t-1} (I - β_t k_t k_tᵀ) + β_t v_t k_tᵀ;
     with Gated DeltaNet's layer around it: a causal depthwise conv of width K, c_t = Σ_j w_j ⊙ (W x)_{t-K+1+j}
-    (zeros before the first token), then q, k = L2norm(SiLU(c)), q / sqrt(d_k), v = SiLU(c), o = RMSNorm(o) * SiLU(W_g x)."""
+    (zeros before the first token), then q, k = L2norm(SiLU(c)) (x / sqrt(|x|² + 1e-6)), q / sqrt(d_k), v = SiLU(c), o = RMSNorm(o) * SiLU(W_g x)."""
     B, T, C = x.shape
     H, d = attn.n_head, attn.head_dim
     silu = lambda t: t * torch.sigmoid(t)
-    unit = lambda t: t / t.norm(dim=-1, keepdim=True)
+    unit = lambda t: t / (t.norm(dim=-1, keepdim=True) ** 2 + 1e-6).sqrt()  # L2 norm with the eps of Qwen3-Next's code
     qkv, gate, *knobs = linear(x, attn.c_attn).split([3 * C, C, H, H][:len(attn.parts)], -1)  # W_a x, W_β x
     w = attn.conv.flip(0) if flip else attn.conv  # (K, 3C)
     K = w.size(0)

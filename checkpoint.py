@@ -1,29 +1,87 @@
 """
-The run's files, shared by train.py, sample.py and bench.py:
+A training run's files, and what is promised about them. train.py writes out_dir through one Run; sample.py and
+bench.py find and read checkpoints here too.
 
-- every file is written whole or not at all: a temp file NAME.tmpPID next to it, then a rename; a failed write
-  (disk full, a size limit) leaves the old file as it was, no temp file, and one line naming why;
-- a checkpoint is loaded safely (weights only: a pickle that runs code is refused) and checked, and a model is
-  sized from its config before anything is built, so a file asking for more memory than there is is one line.
+    ckpt.pt        the best weights by val loss, what sample.py reads (--always_save_checkpoint: the latest evaluated)
+    last.pt        the state an interrupt or the end stopped at, when ckpt.pt does not hold it
+    metrics.jsonl  one strict-JSON row per log line (a non-finite number is null), iterations never going back
+    train.lock     held while a run lives: a second run into the same out_dir is refused
+
+- Every file is written whole or not at all: a temp file NAME.tmpPID, flushed, then renamed. After an error, a
+  SIGKILL or a full disk the old file is there and no partial one; a failed write is one line that names why.
+- Before the run's first training step, an error, Ctrl-C, SIGTERM, SIGHUP or a closed stdout leaves out_dir as it
+  was. After it an interrupt saves last.pt and exits 130; a resume starts from the later of ckpt.pt and last.pt and
+  continues bit-exactly. A divergence (a non-finite loss or weight) saves nothing: exit 2, the last good files kept.
+- A checkpoint is read safely (weights only: a pickle that runs code is refused) and checked, and its model is
+  sized from its config before anything is built.
+torch is imported where it is used: train.py catches interrupts before its slow import.
 """
 import errno
+import json
 import math
+import netrc
 import os
+import re
 import shutil
-from dataclasses import replace
+import signal
+import sys
+from contextlib import contextmanager
+from dataclasses import fields, replace
 
-import torch
-
-from configurator import describe
-from model import GPT, Block, GPTConfig
+from configurator import describe, fail
 
 
 class FileError(Exception):
     """A file that cannot be read or written, in one line."""
 
 
+class Interrupts:
+    """Ctrl-C, SIGTERM (kill, schedulers), SIGHUP (the terminal closed) and, through configurator's on_closed_output,
+    an output whose reader went away (`| head`). While nothing is written they stop the process at once, even in a
+    slow build; once the run writes they only set .flag (raising inside a save could break a file), which the loop
+    checks at every iteration and between evaluation batches."""
+
+    def __init__(self):
+        self.flag, self.at_once = False, True
+        for name in ('SIGINT', 'SIGTERM', 'SIGHUP'):  # (Windows has no SIGHUP)
+            if hasattr(signal, name):
+                signal.signal(getattr(signal, name), self)
+
+    def __call__(self, signum=None, frame=None):
+        self.flag = True
+        if self.at_once:
+            self.stop()
+
+    @staticmethod
+    def stop():
+        try:  # os.write, not print: a handler may run inside a print
+            os.write(2, b"error: interrupted before training started; nothing was written\n")
+        except OSError:
+            pass
+        os._exit(130)
+
+    @contextmanager
+    def deferred(self):
+        """A start-up step that writes files (preparing data, W&B's init): an interrupt waits for its end."""
+        self.at_once = False
+        yield
+        self.at_once = True
+        if self.flag:
+            self.stop()
+
+    def requested(self, device):
+        """The flag; under DDP agreed by every rank (a collective), so that all of them stop at the same iteration."""
+        import torch
+        import torch.distributed as dist
+        if not dist.is_initialized():
+            return self.flag
+        flag = torch.tensor([float(self.flag)], device=device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(flag.item())
+
+
 def temp_name(path):
-    return f"{path}.tmp{os.getpid()}"  # unique per process; train.py deletes only its own stale ones
+    return f"{path}.tmp{os.getpid()}"  # unique per process; a run deletes only these, and only its own names
 
 
 def write_atomic(path, data, durable=False):
@@ -61,6 +119,8 @@ RESUME = ('model', 'optimizer', 'model_args', 'iter_num', 'best_val_loss')  # wh
 def read_checkpoint(path, device='cpu', keys=('model', 'model_args')):
     """(checkpoint dict, its GPTConfig) of a checkpoint train.py wrote, holding keys, or FileError naming what is
     wrong."""
+    import torch
+    from model import GPTConfig
     try:
         ckpt = torch.load(path, map_location=device, weights_only=True)
     except Exception as e:  # truncated, corrupted, not a checkpoint, or a pickle that would run code
@@ -80,9 +140,62 @@ def read_checkpoint(path, device='cpu', keys=('model', 'model_args')):
         raise FileError(f"cannot load checkpoint {path}: its model_args: {describe(e)}") from None
 
 
+def weights(ckpt):
+    """The model's state dict, without the prefix torch.compile adds to its names."""
+    return {k.removeprefix('_orig_mod.'): v for k, v in ckpt['model'].items()}
+
+
+def checkpoints(out_dir):
+    """out_dir's checkpoints, best first: ckpt.pt (the best weights), last.pt (where the run stopped)."""
+    return [p for p in (os.path.join(out_dir, name) for name in ('ckpt.pt', 'last.pt')) if os.path.isfile(p)]
+
+
+def kept(out_dir):
+    """What a stopped run leaves behind, said truthfully."""
+    names = [os.path.basename(p) for p in checkpoints(out_dir)]
+    return f"{' and '.join(names)} in {out_dir} kept" if names else "no checkpoint was written"
+
+
+def newest_out_dir():
+    """The out*/ folder here with the newest checkpoint (the folders train.py's configs write), or 'out'."""
+    from glob import glob
+    return os.path.dirname(max(glob('out*/ckpt.pt') + glob('out*/last.pt'), key=os.path.getmtime, default='out/'))
+
+
+def resume_state(out_dir, device, meta, asked, data_dir):
+    """(path, checkpoint) of the later of out_dir's checkpoints, if it is the model asked (a GPTConfig) on the data's
+    vocabulary (meta), or one line. A broken one is never skipped silently (it may be the later state): it is named,
+    with the one that loads."""
+    loaded, broken = [], []
+    for path in checkpoints(out_dir):
+        try:
+            loaded.append((path, *read_checkpoint(path, device, RESUME)))
+        except FileError as e:
+            broken.append((path, str(e)))
+    if broken:
+        fail(broken[0][1] + (f"; {loaded[0][0]} (iteration {loaded[0][1]['iter_num']}) loads: move {broken[0][0]} "
+                             f"away to resume from it" if loaded else ""))
+    path, ckpt, saved = max(loaded, key=lambda c: c[1]['iter_num'])  # the first of equals: ckpt.pt
+    if ckpt.get('meta') != meta:  # the same tokens, not only as many
+        fail(f"{path} was trained on another vocabulary ({saved.vocab_size} tokens) than the data in {data_dir} "
+             f"({asked.vocab_size}); resume with its --dataset / --data_dir or change out_dir")
+    differ = model_flags(replace(saved, chunk_size=asked.chunk_size), asked)  # chunks of any size: the same weights
+    if differ:
+        fail(f"{path} is another model ({', '.join(differ)} in it); add those settings to resume it, or change out_dir")
+    return path, ckpt
+
+
+def model_flags(a, b):
+    """The --key=value settings of GPTConfig a that differ from b (MLA's sizes only if a has MLA: else 0, implied)."""
+    return [f"--{k}={getattr(a, k)}" for k in (f.name for f in fields(a)) if k != 'vocab_size'
+            and getattr(a, k) != getattr(b, k) and (a.softmax == 'mla' or k not in ('kv_lora_rank', 'rope_head_dim'))]
+
+
 def num_params(config):
     """GPT(config)'s parameter count, before anything is built: one block of each layout on the meta device, times
     its number of layers, plus the embeddings (any n_layer); inf where a tensor's size would overflow."""
+    import torch
+    from model import GPT, Block
     count = lambda module: sum(p.numel() for p in module.parameters())
     try:
         with torch.device('meta'):
@@ -91,3 +204,158 @@ def num_params(config):
             return count(one) - count(one.transformer.h[0]) + blocks
     except RuntimeError:  # "Storage size calculation overflowed"
         return math.inf
+
+
+class Run:
+    """train.py's out_dir on rank 0: locked while the run lives, and written only from the run's first write on
+    (start(), at the end of the first step or the first save): the rows logged before it wait in .pending."""
+
+    def __init__(self, out_dir, resume):
+        self.out_dir, self.resume, self.pending, self.wandb = out_dir, resume, [], None
+        self.ckpt, self.last, self.metrics = (os.path.join(out_dir, n) for n in ('ckpt.pt', 'last.pt', 'metrics.jsonl'))
+        try:
+            os.makedirs(out_dir, exist_ok=True)
+            self.lock = open(os.path.join(out_dir, 'train.lock'), 'a')  # the OS drops the lock when the process dies
+        except OSError as e:
+            fail(f"out_dir={out_dir!r} is not writable ({e.strerror}); pass --out_dir=DIR")
+        try:
+            import fcntl
+            fcntl.flock(self.lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except ImportError:
+            pass  # no fcntl (Windows): no guard against a second run
+        except OSError:
+            fail(f"out_dir={out_dir!r} is in use by another train.py run; wait for it to end or pass another --out_dir")
+        self.previous = checkpoints(out_dir)  # an earlier run's (--overwrite or a resume: checked by train.py)
+
+    def start(self, iter_num):
+        """The run's first write: only now may an earlier run's files change. Killed runs' temp files go (only
+        NAME.tmpPID of our names: none is alive, the lock says), a new run's --overwrite removes the old
+        checkpoints, and the log is rewritten: a new run's from nothing, a resume's up to its checkpoint."""
+        if self.pending is None:
+            return
+        for name in ('ckpt.pt', 'last.pt', 'metrics.jsonl'):
+            for stale in os.listdir(self.out_dir):
+                if re.fullmatch(rf'{re.escape(name)}\.tmp\d+', stale) and os.path.isfile(stale := os.path.join(
+                        self.out_dir, stale)):
+                    os.remove(stale)
+        for old in self.previous if not self.resume else []:
+            os.remove(old)
+            print(f"removed {old} (--overwrite=True)")
+        rows = []
+        if self.resume and os.path.isfile(self.metrics):
+            with open(self.metrics, errors='replace') as f:  # a line cut short by a kill or with broken bytes: dropped
+                rows = [line for line in f if line.endswith('\n') and (row := loads(line))
+                        and isinstance(row.get('iter'), int) and row['iter'] < iter_num]
+        try:
+            write_atomic(self.metrics, ''.join(rows + self.pending))
+        except FileError as e:
+            self.fail(e)
+        self.pending = None
+
+    def log(self, row):
+        """One row to metrics.jsonl (W&B's too): a failed write (disk full) stops the run with the log's rows whole."""
+        line = json.dumps({k: v if not isinstance(v, float) or math.isfinite(v) else None for k, v in row.items()})
+        if self.pending is not None:
+            self.pending.append(line + '\n')
+        else:
+            size = os.path.getsize(self.metrics) if os.path.isfile(self.metrics) else 0
+            try:
+                with open(self.metrics, 'a') as f:
+                    f.write(line + '\n')
+            except OSError as e:
+                with open(self.metrics, 'r+') as f:  # the row's written part cut off again
+                    f.truncate(size)
+                self.fail(f"cannot write {self.metrics}: {why(e, self.metrics)}", "the log's last row whole")
+        self.to_wandb(lambda wandb: wandb.log({k: v for k, v in row.items() if k != 'cache_bytes_per_token'},
+                                              step=row['iter']))
+
+    def save(self, path, state, iter_num):
+        """A checkpoint, flushed to disk and renamed into place; weights that are not finite are never saved."""
+        import torch
+        if not all(torch.isfinite(p).all() for p in state['model'].values() if p.is_floating_point()):
+            fail(f"the weights at iteration {iter_num} are not finite: not saved, {kept(self.out_dir)} (try a lower "
+                 f"learning_rate)")
+        self.start(iter_num)
+        try:
+            write_atomic(path, lambda f: torch.save(state, f), durable=True)
+        except FileError as e:
+            fail(f"{e}; {kept(self.out_dir)}, no partial file left")
+        print(f"saving checkpoint to {path}")
+        if path == self.ckpt and os.path.isfile(self.last):
+            os.remove(self.last)  # an older state than this checkpoint
+
+    def interrupted(self, iter_num, resume_command):
+        """What an interrupt left, and the command that continues (on stderr if stdout has lost its reader)."""
+        if self.pending is not None:
+            print("error: interrupted before the first training step; nothing was written", file=sys.stderr)
+            return
+        print(f"interrupted before iteration {iter_num}: its state saved to "
+              f"{self.last if os.path.isfile(self.last) else self.ckpt}"
+              f"{', the best weights kept in ' + self.ckpt if os.path.isfile(self.ckpt) else ''}; continue with:\n"
+              f"  {resume_command}", file=sys.stderr if getattr(sys.stdout, 'closed_out', False) else sys.stdout)
+
+    def fail(self, why, *also):
+        fail(f"{why}; stopped, {', '.join([kept(self.out_dir), *also])}")
+
+    def start_wandb(self, project, name, run_id, config, summary, mode):
+        """Weights & Biases, offline without credentials. A problem at start is one line before training; a call that
+        fails later (to_wandb) is one warning, and W&B logging stops while training and checkpoints go on."""
+        mode = mode or os.environ.get('WANDB_MODE') or ('online' if wandb_credentials() else 'offline')
+        if mode not in ('online', 'offline', 'disabled'):
+            fail(f"wandb_mode={mode!r} should be online, offline or disabled")
+        if mode == 'online' and not wandb_credentials():
+            fail("wandb_mode=online needs W&B credentials (`wandb login`, or WANDB_API_KEY); or log offline with "
+                 "--wandb_mode=offline and `wandb sync` later")
+        os.environ['WANDB_MODE'] = mode  # decided before init: wandb must never prompt or wait for a network
+        try:
+            import wandb
+        except ImportError as e:
+            fail(f"wandb_log=True needs wandb ({describe(e)}): pip install -r requirements.txt, or --wandb_log=False")
+        try:
+            self.wandb_run = wandb.init(project=project, name=name, id=run_id, resume='allow', mode=mode, config=config)
+            self.wandb_run.summary.update(summary)
+        except Exception as e:
+            fail(f"W&B could not start ({describe(e)}); train without it (--wandb_log=False) or --wandb_mode=offline")
+        self.wandb = wandb
+        folder = os.path.relpath(os.path.dirname(self.wandb_run.dir))
+        print(f"W&B run {name} ({mode}) in {folder}" + (f"; upload it later with: wandb sync {folder}"
+                                                        if mode == 'offline' else ''))
+
+    def to_wandb(self, call):
+        """call(wandb) with W&B on; one that fails (network, disk, permissions) stops W&B logging with one warning."""
+        if self.wandb is None:
+            return
+        try:
+            call(self.wandb)
+        except Exception as e:
+            self.wandb = None
+            print(f"warning: W&B logging stopped ({describe(e)}); training goes on, metrics.jsonl has every row",
+                  file=sys.stderr)
+
+    def finish_wandb(self, upload, run_id, best_val_loss):
+        """upload: ckpt.pt, the best weights, as a W&B artifact first."""
+        def artifact(wandb):
+            art = wandb.Artifact(f"{run_id}-ckpt", type='model', metadata={'best_val_loss': best_val_loss})
+            art.add_file(self.ckpt)
+            wandb.log_artifact(art)
+        if upload and os.path.isfile(self.ckpt):
+            self.to_wandb(artifact)
+        self.to_wandb(lambda wandb: wandb.finish())
+
+
+def loads(line):
+    try:
+        row = json.loads(line)
+        return row if isinstance(row, dict) else None
+    except ValueError:
+        return None
+
+
+def wandb_credentials():
+    """An API key in the environment or from `wandb login` (~/.netrc); without one W&B would prompt."""
+    if os.environ.get('WANDB_API_KEY'):
+        return True
+    try:
+        return netrc.netrc().authenticators('api.wandb.ai') is not None
+    except (OSError, netrc.NetrcParseError):
+        return False

@@ -1,7 +1,12 @@
 """
 MHA -> GQA / MQA conversion (Ainslie et al. 2023), used by `train.py --init_from=<mha out_dir>`.
 """
+import os
+
 import torch
+
+from checkpoint import RESUME, FileError, read_checkpoint
+from configurator import fail
 
 
 def pool_kv_heads(state_dict, config, n_kv_head):
@@ -19,3 +24,26 @@ def pool_kv_heads(state_dict, config, n_kv_head):
             q, k, v = t.split(C, dim=0)  # rows: [q heads | k heads | v heads], head-major
             out[name] = torch.cat([q, pool(k), pool(v)])
     return out
+
+
+def conversion(init_from, device, meta, data_dir, config, given):
+    """(checkpoint, its GPTConfig, the converted model's GPTConfig fields) for `train.py --init_from=DIR`: DIR's MHA
+    ckpt.pt with this run's attn, K/V heads and dropout; its shape (and MLP) kept, a flag asking for another refused."""
+    try:
+        source, cfg = read_checkpoint(os.path.join(init_from, 'ckpt.pt'), device, RESUME)
+    except FileError as e:
+        fail(str(e))
+    if config['attn'] not in ('mha', 'gqa', 'mqa'):
+        fail(f"converting {init_from} pools K/V heads: attn must be mha, gqa or mqa, not {config['attn']!r}")
+    if source.get('meta') != meta:  # the same tokens, not only as many
+        fail(f"converting {init_from} needs its vocabulary: it has {cfg.vocab_size} tokens, the data in "
+             f"{data_dir} another ({meta['vocab_size']})")
+    own = {'attn': config['attn'], 'n_kv_head': config['n_kv_head'], 'match_mha_params': False, 'dropout': config['dropout']}
+    shape = {k: v for k, v in vars(cfg).items() if k != 'vocab_size'}
+    conflicts = [f"--{k}={config[k]} (the checkpoint has {v})" for k, v in shape.items()
+                 if k in given and k not in own and config[k] != v]
+    if conflicts:
+        fail(f"converting {init_from} keeps its shape: drop {', '.join(conflicts)}")
+    print(f"the shape of {init_from}: " + ' '.join(f"{k}={shape[k]}" for k in
+                                                   ('block_size', 'n_layer', 'n_head', 'n_embd', 'pos_emb', 'bias')))
+    return source, cfg, {**shape, **own}

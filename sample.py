@@ -7,14 +7,13 @@ Sample from a trained checkpoint, with or without the cache, or both side by sid
     python sample.py --out_dir=out-shakespeare-char-mla --compare            # both ways: same tokens? speed? bytes?
     python sample.py --start=FILE:prompt.txt --num_samples=1 --temperature=0
 """
-import glob
 import os
 import sys
 import time
 
 import torch
 
-from checkpoint import FileError, num_params, read_checkpoint
+from checkpoint import FileError, checkpoints, newest_out_dir, num_params, read_checkpoint, weights
 from configurator import check_device, check_memory, configure, describe, fail, memory_errors_in_one_line, on_closed_output
 from data.common import PrepareError, check_meta, tokenizer
 from model import GPT
@@ -54,11 +53,8 @@ check_device(device, dtype)
 
 # ckpt.pt (the best val loss), else last.pt (where an interrupted run stopped); with no out_dir, the newest
 # checkpoint of the out*/ folders here, the ones train.py's configs write
-found = not out_dir
-if found:
-    out_dir = os.path.dirname(max(glob.glob('out*/ckpt.pt') + glob.glob('out*/last.pt'), key=os.path.getmtime,
-                                  default='out/'))
-ckpt_path = next((p for p in (os.path.join(out_dir, f) for f in ('ckpt.pt', 'last.pt')) if os.path.isfile(p)), None)
+found, out_dir = not out_dir, out_dir or newest_out_dir()
+ckpt_path = (checkpoints(out_dir) or [None])[0]
 if ckpt_path is None:
     fail(f"no checkpoint (ckpt.pt or last.pt) in {out_dir}{' nor any ./out*/' if found else ''}: train one first "
          f"(python train.py config/gqa.py config/cpu.py) or pass --out_dir")
@@ -76,7 +72,7 @@ check_memory(num_params(cfg) * ptdtype.itemsize + num_samples * (
             "the weights, caches and activations")
 try:
     model = GPT(cfg)
-    model.load_state_dict({k.removeprefix('_orig_mod.'): v for k, v in ckpt['model'].items()})
+    model.load_state_dict(weights(ckpt))
     meta = check_meta(ckpt['meta'])
 except Exception as e:  # weights of another shape, a broken vocabulary
     fail(f"cannot load checkpoint {ckpt_path}: {describe(e)}")

@@ -1,5 +1,6 @@
 """What both tiny Shakespeare prepare scripts share: find the text, split it 90/10, write the .bin files."""
 import errno
+import importlib.util
 import json
 import os
 import urllib.request
@@ -80,6 +81,23 @@ def tokenizer(meta):
     return lambda s: enc.encode(s, allowed_special={'<|endoftext|>'} & enc.special_tokens_set), enc.decode
 
 
+def read_data(data_dir):
+    """(meta.json's content, {split: tokens}) of a prepared data folder, with train.bin and val.bin checked:
+    OSError if a file is missing, ValueError naming what is broken."""
+    with open(os.path.join(data_dir, 'meta.json'), encoding='utf-8') as f:
+        meta = check_meta(json.load(f))
+    tokens = {}
+    for split in ('train', 'val'):
+        size = os.path.getsize(path := os.path.join(data_dir, f'{split}.bin'))
+        if size % 2:
+            raise ValueError(f"{split}.bin has {size} bytes, an odd number: truncated")
+        top = int(np.memmap(path, dtype=np.uint16, mode='r').max()) if size else 0
+        if top >= meta['vocab_size']:  # an embedding lookup would fail at the first batch that holds it
+            raise ValueError(f"{split}.bin holds token id {top}, outside meta.json's vocab_size {meta['vocab_size']}")
+        tokens[split] = size // 2
+    return meta, tokens
+
+
 def split(text, train_fraction=0.9):
     """First 90% of the characters for training, the last 10% for validation (as nanoGPT)."""
     n = int(len(text) * train_fraction)
@@ -121,6 +139,15 @@ def cli(prepare, description):
         run_prepare(prepare, args.out_dir, args.input)
     except PrepareError as e:
         fail(str(e))
+
+
+def prepare_with(script, out_dir):
+    """Run a prepare script's prepare(out_dir), as train.py does on first use, saying where the text comes from."""
+    print(f"preparing {os.path.basename(os.path.dirname(script))} into {out_dir} from " + (os.environ.get(ENV) or
+          "a download (offline? set SHAKESPEARE_PATH=/path/to/input.txt)"))
+    spec = importlib.util.spec_from_file_location('prepare', script)
+    spec.loader.exec_module(module := importlib.util.module_from_spec(spec))
+    run_prepare(module.prepare, out_dir)
 
 
 def run_prepare(prepare, out_dir, input_path=None):

@@ -2,16 +2,19 @@
 A training run's files, and what is promised about them. train.py writes out_dir through one Run; sample.py and
 bench.py find and read checkpoints here too.
 
-    ckpt.pt        the best weights by val loss, what sample.py reads (--always_save_checkpoint: the latest evaluated)
+    ckpt.pt        the best weights by val loss (--always_save_checkpoint: the latest evaluated); sample.py reads it,
+                   or last.pt when there is no ckpt.pt
     last.pt        the state an interrupt or the end stopped at, when ckpt.pt does not hold it
     metrics.jsonl  one strict-JSON row per log line (a non-finite number is null), iterations never going back
     train.lock     held while a run lives: a second run into the same out_dir is refused
 
-- Every file is written whole or not at all: a temp file NAME.tmpPID, flushed, then renamed. After an error, a
-  SIGKILL or a full disk the old file is there and no partial one; a failed write is one line that names why.
+- Every file is written whole or not at all: a temp file NAME.tmpPID, flushed, then renamed. After an error or a
+  full disk the old file is there and no partial one (one line names why); a SIGKILL may leave a NAME.tmpPID, which
+  the next run's first write deletes, and loses the steps since the last save.
 - Before the run's first training step, an error, Ctrl-C, SIGTERM, SIGHUP or a closed stdout leaves out_dir as it
-  was. After it an interrupt saves last.pt and exits 130; a resume starts from the later of ckpt.pt and last.pt and
-  continues bit-exactly. A divergence (a non-finite loss or weight) saves nothing: exit 2, the last good files kept.
+  was (a new run over checkpoints needs --overwrite=True, and deletes them only then). After it an interrupt saves
+  last.pt and exits 130; a resume starts from the later of ckpt.pt and last.pt and continues bit-exactly. A
+  divergence (a non-finite loss or weight) saves nothing: exit 2, the last good files kept, its row logged.
 - A checkpoint is read safely (weights only: a pickle that runs code is refused) and checked, and its model is
   sized from its config before anything is built.
 torch is imported where it is used: train.py catches interrupts before its slow import.
@@ -113,7 +116,7 @@ def why(e, path):
     return e.strerror if isinstance(e, OSError) and e.strerror else describe(e)
 
 
-RESUME = ('model', 'optimizer', 'model_args', 'iter_num', 'best_val_loss')  # what a resume reads; sampling: 2
+RESUME = ('model', 'optimizer', 'model_args', 'iter_num', 'best_val_loss')  # what a resume reads (sampling: the first 2)
 
 
 def read_checkpoint(path, device='cpu', keys=('model', 'model_args')):
@@ -207,12 +210,15 @@ def num_params(config):
 
 
 class Run:
-    """train.py's out_dir on rank 0: locked while the run lives, and written only from the run's first write on
-    (start(), at the end of the first step or the first save): the rows logged before it wait in .pending."""
+    """train.py's out_dir. Written by rank 0 only and not by eval_only (writes=False: every method a no-op), locked
+    while the run lives, and changed only from the run's first write on (first_write(), at the end of the first step
+    or the first save); the rows logged before it wait in .pending, None once they are written."""
 
-    def __init__(self, out_dir, resume):
-        self.out_dir, self.resume, self.pending, self.wandb = out_dir, resume, [], None
+    def __init__(self, out_dir, resume, writes=True):
+        self.out_dir, self.resume, self.writes, self.pending, self.wandb = out_dir, resume, writes, [], None
         self.ckpt, self.last, self.metrics = (os.path.join(out_dir, n) for n in ('ckpt.pt', 'last.pt', 'metrics.jsonl'))
+        if not writes:
+            return
         try:
             os.makedirs(out_dir, exist_ok=True)
             self.lock = open(os.path.join(out_dir, 'train.lock'), 'a')  # the OS drops the lock when the process dies
@@ -227,11 +233,11 @@ class Run:
             fail(f"out_dir={out_dir!r} is in use by another train.py run; wait for it to end or pass another --out_dir")
         self.previous = checkpoints(out_dir)  # an earlier run's (--overwrite or a resume: checked by train.py)
 
-    def start(self, iter_num):
-        """The run's first write: only now may an earlier run's files change. Killed runs' temp files go (only
-        NAME.tmpPID of our names: none is alive, the lock says), a new run's --overwrite removes the old
+    def first_write(self, iter_num):
+        """The run's first write (later calls: nothing): only now may an earlier run's files change. Killed runs' temp
+        files go (only NAME.tmpPID of our names: none is alive, the lock says), a new run's --overwrite removes the old
         checkpoints, and the log is rewritten: a new run's from nothing, a resume's up to its checkpoint."""
-        if self.pending is None:
+        if self.pending is None or not self.writes:
             return
         for name in ('ckpt.pt', 'last.pt', 'metrics.jsonl'):
             for stale in os.listdir(self.out_dir):
@@ -255,6 +261,8 @@ class Run:
     def log(self, row):
         """One row to metrics.jsonl (W&B's too): a failed write (disk full) stops the run with the log's rows whole."""
         line = json.dumps({k: v if not isinstance(v, float) or math.isfinite(v) else None for k, v in row.items()})
+        if not self.writes:
+            return
         if self.pending is not None:
             self.pending.append(line + '\n')
         else:
@@ -275,7 +283,7 @@ class Run:
         if not all(torch.isfinite(p).all() for p in state['model'].values() if p.is_floating_point()):
             fail(f"the weights at iteration {iter_num} are not finite: not saved, {kept(self.out_dir)} (try a lower "
                  f"learning_rate)")
-        self.start(iter_num)
+        self.first_write(iter_num)
         try:
             write_atomic(path, lambda f: torch.save(state, f), durable=True)
         except FileError as e:
@@ -286,6 +294,8 @@ class Run:
 
     def interrupted(self, iter_num, resume_command):
         """What an interrupt left, and the command that continues (on stderr if stdout has lost its reader)."""
+        if not self.writes:
+            return
         if self.pending is not None:
             print("error: interrupted before the first training step; nothing was written", file=sys.stderr)
             return
@@ -294,8 +304,8 @@ class Run:
               f"{', the best weights kept in ' + self.ckpt if os.path.isfile(self.ckpt) else ''}; continue with:\n"
               f"  {resume_command}", file=sys.stderr if getattr(sys.stdout, 'closed_out', False) else sys.stdout)
 
-    def fail(self, why, *also):
-        fail(f"{why}; stopped, {', '.join([kept(self.out_dir), *also])}")
+    def fail(self, reason, *also):
+        fail(f"{reason}; stopped, {', '.join([kept(self.out_dir), *also])}")
 
     def start_wandb(self, project, name, run_id, config, summary, mode):
         """Weights & Biases, offline without credentials. A problem at start is one line before training; a call that
@@ -312,12 +322,12 @@ class Run:
         except ImportError as e:
             fail(f"wandb_log=True needs wandb ({describe(e)}): pip install -r requirements.txt, or --wandb_log=False")
         try:
-            self.wandb_run = wandb.init(project=project, name=name, id=run_id, resume='allow', mode=mode, config=config)
-            self.wandb_run.summary.update(summary)
+            run = wandb.init(project=project, name=name, id=run_id, resume='allow', mode=mode, config=config)
+            run.summary.update(summary)
         except Exception as e:
             fail(f"W&B could not start ({describe(e)}); train without it (--wandb_log=False) or --wandb_mode=offline")
-        self.wandb = wandb
-        folder = os.path.relpath(os.path.dirname(self.wandb_run.dir))
+        self.wandb = wandb  # on: to_wandb calls go through
+        folder = os.path.relpath(os.path.dirname(run.dir))
         print(f"W&B run {name} ({mode}) in {folder}" + (f"; upload it later with: wandb sync {folder}"
                                                         if mode == 'offline' else ''))
 

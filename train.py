@@ -9,7 +9,7 @@ Train one attention layout on tiny Shakespeare (nanoGPT's train.py, one layout s
 Every key below can be set by a config file or --key=value (see configurator.py). What is written to out_dir, and
 what is promised about it after an error, a kill, an interrupt or a divergence: checkpoint.py.
 """
-from checkpoint import Interrupts  # first: during the slow imports below an interrupt already stops the process
+from checkpoint import Interrupts  # first: Ctrl-C, SIGTERM or SIGHUP during the slow imports below is one line, exit 130
 
 interrupts = Interrupts()
 
@@ -92,8 +92,7 @@ compile = False                 # torch.compile the model
 backend = ''                    # '' = nccl on CUDA, gloo on CPU
 seed = 1337                     # every random draw of training is a function of (seed, rank, iteration)
 # -----------------------------------------------------------------------------
-config_keys = [k for k, v in globals().items() if not k.startswith('_') and isinstance(v, (int, float, bool, str))
-               and k not in ('config_keys',)]
+config_keys = [k for k, v in globals().items() if not k.startswith('_') and isinstance(v, (int, float, bool, str))]
 memory_errors_in_one_line()
 on_closed_output(interrupts)  # `| head`, a closed terminal: an interrupt
 given = set()  # the keys a config file or flag set
@@ -157,7 +156,7 @@ else:
     ddp_rank, ddp_world_size, master_process = 0, 1, True
 tokens_per_iter = gradient_accumulation_steps * ddp_world_size * batch_size * block_size
 # out_dir's files, on rank 0 (eval_only writes nothing): locked from here on, written from the first step on
-run = Run(out_dir, init_from == 'resume') if master_process and not eval_only else None
+run = Run(out_dir, init_from == 'resume', writes=master_process and not eval_only)
 torch.manual_seed(seed + ddp_rank)
 torch.backends.cuda.matmul.allow_tf32 = True
 torch.backends.cudnn.allow_tf32 = True
@@ -207,8 +206,7 @@ def get_batch(split, generator):
 
 # model: from scratch, resumed (from the later of ckpt.pt and last.pt), or converted from an MHA checkpoint
 iter_num, best_val_loss, wandb_id = 0, 1e9, None
-model_args = {k: config[k] for k in model_keys}
-asked = GPTConfig(vocab_size=meta['vocab_size'], **model_args)
+asked = gptconf = GPTConfig(vocab_size=meta['vocab_size'], **{k: config[k] for k in model_keys})  # the flags' model
 if init_from == 'resume':
     resume_path, checkpoint = resume_state(out_dir, device, meta, asked, data_dir)
     iter_num, best_val_loss = checkpoint['iter_num'], checkpoint['best_val_loss']
@@ -219,22 +217,27 @@ if init_from == 'resume':
     print(f"resuming from {resume_path} at iteration {iter_num}")
 elif converting:  # MHA -> GQA/MQA: mean-pool the K/V heads of init_from/ckpt.pt, then train on
     source, source_cfg, model_args = conversion(init_from, device, meta, data_dir, config, given)
-try:
-    gptconf = GPTConfig(vocab_size=meta['vocab_size'], **model_args)
-except ValueError as e:  # this run's K/V heads for the source's n_head
-    fail(f"converting {init_from}: {e}")
-block_size, tokens_per_iter = gptconf.block_size, tokens_per_iter // block_size * gptconf.block_size  # (converted)
-n_params = num_params(gptconf)  # counted, nothing built: fp32 weights, gradients and AdamW's two moments, 16 bytes each
-# and per token, at least: a dozen n_embd-wide tensors a layer kept for backward, fp32 logits and their gradient
-per_token = 12 * gptconf.n_layer * gptconf.n_embd * (4 if dtype == 'float32' else 2) + 8 * gptconf.vocab_size
-check_memory(16 * n_params + batch_size * block_size * per_token, device, f"{f'{n_params / 1e6:,.1f}M' if math.isfinite(n_params) else 'over 10^18'} parameters and "
-             f"batch_size={batch_size} x block_size={block_size}: the weights, optimizer and activations")
-model = GPT(gptconf)
-if converting:
     try:
+        gptconf = GPTConfig(vocab_size=meta['vocab_size'], **model_args)
+    except ValueError as e:  # this run's K/V heads for the source's n_head
+        fail(f"converting {init_from}: {e}")
+block_size, tokens_per_iter = gptconf.block_size, tokens_per_iter // block_size * gptconf.block_size  # (converted)
+# the memory it needs, counted before anything is built: fp32 weights, gradients and AdamW's two moments (16 bytes a
+# parameter) and per token at least a dozen n_embd-wide tensors a layer kept for backward, fp32 logits and their grad
+n_params = num_params(gptconf)
+per_token = 12 * gptconf.n_layer * gptconf.n_embd * (4 if dtype == 'float32' else 2) + 8 * gptconf.vocab_size
+size = f'{n_params / 1e6:,.1f}M' if math.isfinite(n_params) else 'over 10^18'
+check_memory(16 * n_params + batch_size * block_size * per_token, device, f"{size} parameters and batch_size="
+             f"{batch_size} x block_size={block_size}: the weights, optimizer and activations")
+model = GPT(gptconf)
+try:  # weights of another shape: one line
+    if init_from == 'resume':
+        model.load_state_dict(weights(checkpoint))
+    if converting:
         model.load_state_dict(pool_kv_heads(weights(source), source_cfg, gptconf.n_kv_head))
-    except ValueError as e:
-        fail(f"cannot convert {init_from}: {e}")
+except (RuntimeError, ValueError, KeyError) as e:
+    fail(f"cannot resume from {resume_path}: {describe(e)}" if init_from == 'resume' else f"cannot convert {init_from}: {e}")
+if converting:
     print(f"converted {init_from} ({source_cfg.attn}, {source_cfg.n_head} K/V heads) to {attn} with "
           f"{gptconf.n_kv_head} K/V heads by mean-pooling")
 model.to(device)
@@ -245,11 +248,10 @@ optimizer = torch.optim.AdamW([{'params': decay, 'weight_decay': weight_decay}, 
                               lr=learning_rate, betas=(beta1, beta2), fused=device_type == 'cuda')
 if init_from == 'resume':
     try:
-        model.load_state_dict(weights(checkpoint))
         optimizer.load_state_dict(checkpoint['optimizer'])
-    except (RuntimeError, ValueError, KeyError) as e:  # weights or optimizer state of another shape
+    except (RuntimeError, ValueError, KeyError) as e:  # an optimizer state of another shape
         fail(f"cannot resume from {resume_path}: {describe(e)}")
-    checkpoint = None
+    checkpoint = None  # free up memory
 raw_model = model
 if compile:
     model = torch.compile(model)
@@ -323,24 +325,24 @@ def resume_command():
     return shlex.join(launcher + [sys.argv[0]] + args + model_flags(gptconf, asked))
 
 
-if wandb_log and run:
+if wandb_log and run.writes:
     origin = f"-from-{os.path.basename(os.path.normpath(init_from))}" if converting else ''
     name = wandb_run_name or f"{attn}{origin}-{time.strftime('%Y%m%d-%H%M%S')}"
     name = name if attn in name else f"{attn}-{name}"
     wandb_id = wandb_id or os.urandom(4).hex()  # kept in the checkpoint: a resume continues this run
-    interrupts.at_once = False  # W&B writes files: an interrupt waits, and is a flag from here on
-    run.start_wandb(wandb_project, name, wandb_id, {**config, 'model': asdict(gptconf), 'params': raw_model.get_num_params(),
-                    'mlp_hidden': mlp_hidden(gptconf), 'tokens_per_iter': tokens_per_iter},  # the resolved shape
-                    {'params': raw_model.get_num_params(), 'cache_bytes_per_token': cache_bytes_per_token}, wandb_mode)
+    with interrupts.deferred():  # W&B writes files
+        run.start_wandb(wandb_project, name, wandb_id, {**config, 'model': asdict(gptconf), 'mlp_hidden': mlp_hidden(
+            gptconf), 'params': raw_model.get_num_params(), 'tokens_per_iter': tokens_per_iter},  # the resolved shape
+            {'params': raw_model.get_num_params(), 'cache_bytes_per_token': cache_bytes_per_token}, wandb_mode)
 interrupts.at_once = False  # from here on an interrupt is a flag, checked at every iteration
-if interrupts.requested(device):
+if interrupts.requested(device):  # (one during W&B's init, on any rank)
     interrupts.stop()
 
 # training loop
 X, Y = get_batch('train', draw(iter_num, 0))  # micro-batch 0 of iteration iter_num
 t0 = time.time()
 local_iter_num, running_mfu, stop = 0, -1.0, False
-new_weights = init_from == 'resume' and os.path.basename(resume_path) == 'last.pt'  # weights ckpt.pt does not hold
+ckpt_stale = init_from == 'resume' and os.path.basename(resume_path) == 'last.pt'  # ckpt.pt lacks these weights
 while True:
     lr = get_lr(iter_num) if decay_lr else learning_rate
     for param_group in optimizer.param_groups:
@@ -354,7 +356,7 @@ while True:
             sys.exit(130)
     if losses:
         print(f"step {iter_num}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f}")
-        if (sample_every_eval or (run and run.wandb)) and decode:
+        if (sample_every_eval or run.wandb) and decode:
             raw_model.eval()
             with ctx:
                 text = decode(raw_model.generate(prompt, 200, temperature=0)[0, prompt.size(1):].tolist())
@@ -362,40 +364,42 @@ while True:
             if sample_every_eval:
                 print(f"sample:\n{text}\n---")
             samples.append([iter_num, attn, text])
-            run and run.to_wandb(lambda wandb: wandb.log({'samples': wandb.Table(columns=['iter', 'layout', 'text'],
-                                                                                 data=samples)}, step=iter_num))
-        run and run.log({'iter': iter_num, 'train/loss': losses['train'], 'val/loss': losses['val'], 'lr': lr,
-                         'cache_bytes_per_token': cache_bytes_per_token})
+            run.to_wandb(lambda wandb: wandb.log({'samples': wandb.Table(columns=['iter', 'layout', 'text'],
+                                                                         data=samples)}, step=iter_num))
+        run.log({'iter': iter_num, 'train/loss': losses['train'], 'val/loss': losses['val'], 'lr': lr,
+                 'cache_bytes_per_token': cache_bytes_per_token})
         if not (math.isfinite(losses['train']) and math.isfinite(losses['val'])):  # never saved, whatever the flags
             fail(f"the evaluation at iteration {iter_num} gave a non-finite loss (train {losses['train']}, val "
                  f"{losses['val']}); stopped, {kept(out_dir)} (try a lower learning_rate)")
-        if (losses['val'] < best_val_loss or always_save_checkpoint) and run:
+        if (losses['val'] < best_val_loss or always_save_checkpoint) and not eval_only:
             best_val_loss = min(best_val_loss, losses['val'])
             run.to_wandb(lambda wandb: wandb.run.summary.update({'best_val_loss': best_val_loss}))
-            if new_weights:
+            if ckpt_stale:
                 save(run.ckpt, losses['val'])
-                new_weights = False
+                ckpt_stale = False
     if eval_only:
         break
     stop = interrupts.requested(device)  # once per iteration on every rank: a collective under DDP
     if stop or iter_num >= max_iters:  # interrupted, or max_iters steps done and evaluated (saved if best)
-        if run and local_iter_num > 0 and (stop or new_weights):  # a state not in ckpt.pt
+        if master_process and local_iter_num > 0 and (stop or ckpt_stale):
             save(run.last)
-        if run:  # a finished run writes its log, even one with nothing to train (max_iters=0)
-            run.interrupted(iter_num, resume_command()) if stop else run.start(iter_num)
+        if stop:
+            run.interrupted(iter_num, resume_command())
+        else:
+            run.first_write(iter_num)  # a finished run writes its log, even one with nothing to train (max_iters=0)
         break
 
-    torch.manual_seed(hash((seed, ddp_rank, iter_num)) % 2 ** 63)  # dropout masks: a function of the iteration
+    torch.manual_seed(draw(iter_num).initial_seed())  # dropout masks: a function of the iteration too
     for micro_step in range(gradient_accumulation_steps):
         if ddp:  # sync gradients only at the last micro step
             model.require_backward_grad_sync = (micro_step == gradient_accumulation_steps - 1)
         with ctx:
             logits, loss = model(X, Y)
             loss = loss / gradient_accumulation_steps
-        if not torch.isfinite(loss):
-            fail(f"loss is {loss.item()} at iteration {iter_num}; stopped, {kept(out_dir)} (try a lower learning_rate)")
         nxt = micro_step + 1  # prefetch the next micro-batch while the GPU works
         X, Y = get_batch('train', draw(iter_num + nxt // gradient_accumulation_steps, nxt % gradient_accumulation_steps))
+        if not torch.isfinite(loss):
+            fail(f"loss is {loss.item()} at iteration {iter_num}; stopped, {kept(out_dir)} (try a lower learning_rate)")
         scaler.scale(loss).backward()
     if grad_clip != 0.0:
         scaler.unscale_(optimizer)
@@ -403,9 +407,8 @@ while True:
     scaler.step(optimizer)
     scaler.update()
     optimizer.zero_grad(set_to_none=True)
-    new_weights = True
-    if run:
-        run.start(iter_num)  # a step done: this run now writes its files
+    ckpt_stale = True
+    run.first_write(iter_num)  # a step done: this run now writes its files
 
     t1 = time.time()
     dt, t0 = t1 - t0, t1
@@ -417,8 +420,8 @@ while True:
         measured = {'mfu': running_mfu * 100} if running_mfu >= 0 else {}  # nothing until it is measured
         print(f"iter {iter_num}: loss {lossf:.4f}, time {dt * 1000:.2f}ms, {tokens_per_iter / dt:,.0f} tok/s" +
               (f", mfu {running_mfu * 100:.2f}%" if measured else ""))
-        run and run.log({'iter': iter_num, 'train/batch_loss': lossf, 'lr': lr, 'ms_per_iter': dt * 1000,
-                         'tokens_per_sec': tokens_per_iter / dt, **measured})
+        run.log({'iter': iter_num, 'train/batch_loss': lossf, 'lr': lr, 'ms_per_iter': dt * 1000,
+                 'tokens_per_sec': tokens_per_iter / dt, **measured})
     iter_num += 1
     local_iter_num += 1
 
@@ -427,10 +430,12 @@ if ddp:  # every rank must end with the same weights
     sys.stdout.flush()  # then the line in one write: the ranks share one stdout
     print(f"rank {ddp_rank}: weights sha256 {digest.hexdigest()[:16]}", flush=True)
     dist.destroy_process_group()
-if run:
-    run.finish_wandb(wandb_log_checkpoint, wandb_id, best_val_loss)
-if ddp:  # DDP keeps gloo's worker threads alive past destroy_process_group; one that frees a tensor while
-    sys.stdout.flush(), sys.stderr.flush()  # Python shuts down aborts the run (SIGABRT). All is saved by now,
-    os._exit(130 if stop else 0)  # so leave without that shutdown
+run.finish_wandb(wandb_log_checkpoint, wandb_id, best_val_loss)
+# DDP keeps gloo's worker threads alive past destroy_process_group; one that frees a tensor while Python shuts down
+# aborts the run (SIGABRT). All is saved by now, so leave without that shutdown
+if ddp:
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(130 if stop else 0)
 if stop:
     sys.exit(130)  # interrupted (its state saved): not a finished run, for `train.py && sample.py`

@@ -182,7 +182,7 @@ except (OSError, ValueError) as e:
 for split, n in tokens.items():
     if n <= block_size:
         fail(f"{data_dir}/{split}.bin has {n:,} tokens, not more than block_size={block_size}: lower it")
-if previous and init_from != 'resume' and not eval_only and not overwrite:
+if previous and init_from != 'resume' and not eval_only and not overwrite:  # (after the data: a broken one first)
     fail(f"{previous[0]} exists: continue that run with --init_from=resume, replace it with --overwrite=True, "
          f"or pass another --out_dir")
 

@@ -131,6 +131,8 @@ def train_run(run_dir, args):
     r = subprocess.run(cmd, capture_output=True, text=True)
     if r.returncode:
         fail(f"train.py failed in {new}: {(r.stderr.strip().splitlines() or ['?'])[-1].removeprefix('error: ')}")
+    if not os.path.isfile(os.path.join(new, 'metrics.jsonl')):  # (train.py -- --help: exit 0, no run)
+        fail(f"train.py ended without a run in {new} (its flags asked for --help?); {run_dir} kept as it was")
     shutil.rmtree(run_dir, ignore_errors=True)
     os.replace(new, run_dir)
     rows = [json.loads(line) for line in open(os.path.join(run_dir, 'metrics.jsonl'))]
@@ -532,6 +534,9 @@ def main(argv=None):
     args.layouts = [a for a in LAYOUTS if a in args.layouts]  # in the usual order
     args.max_iters = args.max_iters or {'mqar': 3000}.get(args.mode, 5000 if args.mode == 'train' and args.device != 'cpu' else 2000)
     check_device(args.device, args.dtype)
+    if args.mode == 'decode' and args.device == 'cpu' and args.dtype == 'float16':
+        p.error("--dtype=float16 on CPU: no fp16 matmul kernels here (a 2048^2 product took 69 s, 0.13 s in float32); "
+                "use float32 or bfloat16")
     try:  # nanoGPT's model.py runs now, two steps: a wrong file is refused before five layouts train, not after
         args.nanogpt is None or step_time_vs_nanogpt(args.nanogpt, rounds=1, steps=1)
     except (Exception, SystemExit) as e:

@@ -27,6 +27,7 @@ import os
 import re
 import shutil
 import signal
+import stat
 import sys
 from contextlib import contextmanager
 from dataclasses import fields, replace
@@ -92,7 +93,9 @@ def write_atomic(path, data, durable=False):
     durable: flushed to the disk, the rename too (a power cut keeps the old file or the new one)."""
     tmp = temp_name(path)
     try:
-        with open(tmp, 'wb') as f:
+        if os.path.islink(tmp):  # ours by name (this PID), never followed: a link there would write elsewhere
+            os.remove(tmp)
+        with open(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, 'O_NOFOLLOW', 0), 0o666), 'wb') as f:
             data(f) if callable(data) else f.write(data.encode() if isinstance(data, str) else data)
             if durable:
                 f.flush()
@@ -110,7 +113,10 @@ def write_atomic(path, data, durable=False):
 
 def why(e, path):
     """An OSError's reason in words, naming a full disk as such (torch.save hides the errno in a RuntimeError)."""
-    free = shutil.disk_usage(os.path.dirname(os.path.abspath(path))).free
+    try:
+        free = shutil.disk_usage(os.path.dirname(os.path.abspath(path))).free
+    except OSError:  # the folder itself is gone
+        free = math.inf
     if getattr(e, 'errno', None) == errno.ENOSPC or free < 2 ** 20:
         return f"no space left on device (ENOSPC), {free:,} bytes free"
     return e.strerror if isinstance(e, OSError) and e.strerror else describe(e)
@@ -134,6 +140,8 @@ def read_checkpoint(path, device='cpu', keys=('model', 'model_args')):
         raise FileError(f"cannot load checkpoint {path}: {reason}") from None
     kinds = {'model': dict, 'optimizer': dict, 'model_args': dict, 'iter_num': int, 'best_val_loss': float}
     wrong = [k for k in keys if not isinstance(ckpt, dict) or not isinstance(ckpt.get(k), kinds[k])]
+    wrong += [k for k, ok in (('iter_num', lambda v: v >= 0), ('best_val_loss', lambda v: v == v)) if k in keys
+              and k not in wrong and (isinstance(ckpt[k], bool) or not ok(ckpt[k]))]  # (>= 0; not NaN)
     if wrong:
         raise FileError(f"cannot load checkpoint {path}: no {', '.join(wrong)} of the right kind in it: "
                         f"not a checkpoint of train.py")
@@ -205,7 +213,7 @@ def num_params(config):
             one = GPT(replace(config, n_layer=1, attn=config.softmax or config.pattern()[0]))  # for its embeddings
             blocks = sum(n * count(Block(config, a)) for a, n in config.layer_counts().items())
             return count(one) - count(one.transformer.h[0]) + blocks
-    except RuntimeError:  # "Storage size calculation overflowed"
+    except (RuntimeError, OverflowError, TypeError):  # "Storage size calculation overflowed", or past int64
         return math.inf
 
 
@@ -221,7 +229,8 @@ class Run:
             return
         try:
             os.makedirs(out_dir, exist_ok=True)
-            self.lock = open(os.path.join(out_dir, 'train.lock'), 'a')  # the OS drops the lock when the process dies
+            self.lock = open(os.open(os.path.join(out_dir, 'train.lock'), os.O_WRONLY | os.O_APPEND | os.O_CREAT |
+                                     os.O_NONBLOCK | getattr(os, 'O_NOFOLLOW', 0), 0o666), 'a')  # dropped at death
         except OSError as e:
             fail(f"out_dir={out_dir!r} is not writable ({e.strerror}); pass --out_dir=DIR")
         try:
@@ -240,9 +249,9 @@ class Run:
         if self.pending is None or not self.writes:
             return
         for name in ('ckpt.pt', 'last.pt', 'metrics.jsonl'):
-            for stale in os.listdir(self.out_dir):
-                if re.fullmatch(rf'{re.escape(name)}\.tmp\d+', stale) and os.path.isfile(stale := os.path.join(
-                        self.out_dir, stale)):
+            for stale in (os.path.join(self.out_dir, f) for f in os.listdir(self.out_dir)
+                          if re.fullmatch(rf'{re.escape(name)}\.tmp\d+', f)):
+                if os.path.islink(stale) or os.path.isfile(stale):  # a file or a link, never a folder
                     os.remove(stale)
         for old in self.previous if not self.resume else []:
             os.remove(old)
@@ -267,12 +276,19 @@ class Run:
             self.pending.append(line + '\n')
         else:
             size = os.path.getsize(self.metrics) if os.path.isfile(self.metrics) else 0
-            try:
-                with open(self.metrics, 'a') as f:
+            try:  # never blocking (a FIFO put there) nor through a link: only our own regular file
+                fd = os.open(self.metrics, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NONBLOCK |
+                             getattr(os, 'O_NOFOLLOW', 0), 0o666)
+                with open(fd, 'a') as f:
+                    if not stat.S_ISREG(os.fstat(fd).st_mode):
+                        raise OSError(errno.EINVAL, 'not a regular file')
                     f.write(line + '\n')
             except OSError as e:
-                with open(self.metrics, 'r+') as f:  # the row's written part cut off again
-                    f.truncate(size)
+                try:
+                    if os.path.isfile(self.metrics) and not os.path.islink(self.metrics):
+                        os.truncate(self.metrics, size)  # the row's written part cut off again
+                except OSError:
+                    pass
                 self.fail(f"cannot write {self.metrics}: {why(e, self.metrics)}", "the log's last row whole")
         self.to_wandb(lambda wandb: wandb.log({k: v for k, v in row.items() if k != 'cache_bytes_per_token'},
                                               step=row['iter']))

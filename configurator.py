@@ -15,6 +15,7 @@ import errno
 import math
 import os
 import re
+import signal
 import sys
 import types
 
@@ -121,6 +122,13 @@ class Output:
         return getattr(self.stream, name)
 
 
+def exit_on_signals():
+    """SIGTERM and SIGHUP end the process as a SystemExit (exit 128 + N): finally blocks still remove temp files."""
+    for name in ('SIGTERM', 'SIGHUP'):
+        if hasattr(signal, name):
+            signal.signal(getattr(signal, name), lambda signum, frame: sys.exit(128 + signum))
+
+
 def on_closed_output(gone):
     """Call gone() (once per stream) when stdout or stderr loses its reader; later output is dropped."""
     sys.stdout, sys.stderr = Output(sys.stdout, gone), Output(sys.stderr, gone)
@@ -140,6 +148,8 @@ def check(key, value, config, where):
              f"not {type(value).__name__}")
     if kind is float and not math.isfinite(value):
         fail(f"{where}: {key}={value!r} should be a finite number")
+    if kind is int and not -2 ** 62 < value < 2 ** 62:  # past it, sizes overflow torch's and float's counts
+        fail(f"{where}: {key}={value} is out of range (|value| < 2**62)")
     return value
 
 

@@ -177,7 +177,7 @@ if ddp:
     dist.barrier()  # the other ranks wait for rank 0 to lock out_dir and prepare the data
 try:
     meta, tokens = read_data(data_dir)
-except (OSError, ValueError) as e:
+except (OSError, ValueError, RecursionError) as e:  # (RecursionError: a JSON nested too deep)
     fail(f"dataset in {data_dir} is missing or broken ({e}); prepare it anew: {remake}")
 for split, n in tokens.items():
     if n <= block_size:

@@ -129,7 +129,8 @@ def save(out_dir, train_ids, val_ids, meta):
 def cli(prepare, description):
     """argparse for a prepare script: --input PATH, --out_dir DIR; errors as one line, exit 2."""
     import sys
-    from configurator import Parser, fail
+    from configurator import Parser, exit_on_signals, fail
+    exit_on_signals()  # a kill mid-write leaves no temp file
     here = os.path.dirname(os.path.abspath(sys.argv[0]))
     p = Parser(prog=os.path.relpath(sys.argv[0]), description=description)  # as typed from here
     p.add_argument('--input', help=f'local input.txt (default: ${ENV}, else download)')

@@ -20,7 +20,7 @@ import sys
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-from configurator import Parser, checked  # noqa: E402
+from configurator import Parser, checked, exit_on_signals  # noqa: E402
 
 KEYS, VALUES = 32, 16
 QUERY, ANSWER = KEYS * VALUES, KEYS * VALUES + KEYS  # the first query id, the first answer id
@@ -55,12 +55,17 @@ def prepare(out_dir, pairs=(4, 8, 16, 24, 32), train=20000, val=500, seed=0):
     meta = dict(kind='mqar', vocab_size=VOCAB, keys=KEYS, values=VALUES, pairs=list(pairs), length=length,
                 train=train, val=val, seed=seed)
     tmp = os.path.join(out_dir, f'.tmp{os.getpid()}')
-    with open(tmp + '.npz', 'wb') as f:  # temp files, then renames: never half a data set
-        np.savez_compressed(f, **arrays)
-    with open(tmp + '.json', 'w') as f:
-        json.dump(meta, f)
-    os.replace(tmp + '.npz', os.path.join(out_dir, 'mqar.npz'))
-    os.replace(tmp + '.json', os.path.join(out_dir, 'mqar.json'))  # not meta.json: never another data set's
+    try:
+        with open(tmp + '.npz', 'wb') as f:  # temp files, then renames: never half a data set
+            np.savez_compressed(f, **arrays)
+        with open(tmp + '.json', 'w') as f:
+            json.dump(meta, f)
+        os.replace(tmp + '.npz', os.path.join(out_dir, 'mqar.npz'))
+        os.replace(tmp + '.json', os.path.join(out_dir, 'mqar.json'))  # not meta.json: never another data set's
+    finally:  # what a failed write or a kill (SIGTERM) left behind
+        for left in (tmp + '.npz', tmp + '.json'):
+            if os.path.isfile(left):
+                os.remove(left)
     return os.path.join(out_dir, 'mqar.npz')
 
 
@@ -68,6 +73,7 @@ def main():
     count = checked(int, lambda v: 1 <= v <= 10 ** 6, "give an integer from 1 to 1,000,000")
     pairs = checked(lambda s: sorted({int(x) for x in s.split(',')}), lambda v: 1 <= v[0] and v[-1] <= KEYS,
                     f"give integers from 1 to {KEYS}, comma-separated")
+    exit_on_signals()  # a kill mid-write leaves no temp file
     p = Parser(prog='data/mqar/prepare.py', description=__doc__)
     p.add_argument('--pairs', type=pairs, default='4,8,16,24,32', help='numbers of pairs N (default: 4,8,16,24,32)')
     p.add_argument('--train', type=count, default=20000, help='training sequences per N (default: 20000)')

@@ -1,0 +1,130 @@
+"""Nothing lost, round 4: what a second hostile pass found after round 3's fixes (and the run's files moved into
+checkpoint.py): files swapped under a live run, links at our temp names, flags past int64, crafted checkpoints and
+data, a kill in a prepare script, a bench run that never ran."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import torch
+
+from conftest import ROOT
+from test_hostile import one_line, run
+from test_train import TINY, train
+
+
+def live_run(out, char_data):
+    """train.py logging every iteration for a long time, once it has logged a few rows to metrics.jsonl."""
+    p = subprocess.Popen([sys.executable, 'train.py', *TINY, f'--out_dir={out}', f'--data_dir={char_data}',
+                          '--max_iters=100000', '--eval_interval=100000', '--log_interval=1'], cwd=ROOT,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    logged = 0
+    while logged < 3:
+        line = p.stdout.readline()
+        assert line, p.stderr.read()
+        logged += line.startswith('iter ')
+    return p
+
+
+def test_a_log_swapped_for_a_fifo_or_a_folder_is_one_line_never_a_hang(tmp_path, char_data):
+    """metrics.jsonl replaced under a live run: by a FIFO (an append blocked for good, deaf to SIGTERM), by a folder
+    (a traceback from the cut-back), or the whole out_dir deleted: each one line, exit 2, within seconds."""
+    for how in ('fifo', 'dir', 'gone'):
+        out = tmp_path / how
+        p = live_run(out, char_data)
+        if how == 'gone':
+            for f in out.iterdir():
+                f.unlink()
+            out.rmdir()
+        else:
+            (out / 'metrics.jsonl').unlink()
+            os.mkfifo(out / 'metrics.jsonl') if how == 'fifo' else (out / 'metrics.jsonl').mkdir()
+        _, err = p.communicate(timeout=60)
+        assert p.returncode == 2 and 'Traceback' not in err and len(err.strip().splitlines()) == 1, err
+        assert "cannot write" in err and "metrics.jsonl" in err, err
+
+
+def test_links_at_our_temp_names_are_never_followed(tmp_path, char_data):
+    """Dangling links at NAME.tmpPID (this run's own temp names) used to make the run write a checkpoint outside
+    out_dir and turn metrics.jsonl into a link: the links are removed, the files are written inside."""
+    out, victim = tmp_path / 'out', tmp_path / 'victim'
+    out.mkdir()
+    cmd = ' '.join([f'ln -s {victim}-ckpt {out}/ckpt.pt.tmp$$; ln -s {victim}-log {out}/metrics.jsonl.tmp$$; exec',
+                    sys.executable, 'train.py', *TINY, f'--out_dir={out}', f'--data_dir={char_data}', '--max_iters=4',
+                    '--eval_interval=2'])
+    r = subprocess.run(['bash', '-c', cmd], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert not list(tmp_path.glob('victim*')) and not (out / 'metrics.jsonl').is_symlink()
+    assert torch.load(out / 'ckpt.pt', weights_only=True)['iter_num'] == 4
+    assert not [f for f in os.listdir(out) if '.tmp' in f]
+
+
+def test_integers_past_int64_and_nested_json_are_one_line(tmp_path, char_data):
+    """A width past int64 (a TypeError from torch), a warmup of 10^400 (an OverflowError in get_lr, after the lock), a
+    meta.json nested 100,000 deep (a RecursionError): one line each, nothing written."""
+    deep = tmp_path / 'deep'
+    deep.mkdir()
+    for name in ('train.bin', 'val.bin'):
+        (deep / name).write_bytes(open(os.path.join(char_data, name), 'rb').read())
+    (deep / 'meta.json').write_text('[' * 100000 + ']' * 100000)
+    for args, message in ((['--n_embd=10000000000000000000', '--n_head=1'], "is out of range (|value| < 2**62)"),
+                          ([f"--warmup_iters=1{'0' * 400}"], "is out of range"),
+                          ([f'--data_dir={deep}'], "is missing or broken (maximum recursion depth")):
+        out = tmp_path / 'out'
+        r = run('train.py', *TINY, f'--out_dir={out}', f'--data_dir={char_data}', *args)
+        assert message in one_line(r) and not (out / 'metrics.jsonl').exists()
+
+
+def test_crafted_checkpoints_are_one_line(tmp_path, char_data):
+    """sample.py: a vocabulary larger or smaller than the model's (an IndexError deep in embedding or decode), weights
+    that are NaN (torch.multinomial's error); a resume: a negative iteration, a NaN best loss."""
+    train(tmp_path / 'run', char_data, '--max_iters=2', '--eval_interval=2')
+    state = torch.load(tmp_path / 'run' / 'ckpt.pt', weights_only=True)
+    itos = state['meta']['itos']
+    cases = {'big': {**state, 'meta': {**state['meta'], 'vocab_size': 100, 'itos': itos + ['x'] * (100 - len(itos))}},
+             'small': {**state, 'meta': {**state['meta'], 'vocab_size': 3, 'itos': itos[:3]}},
+             'nan': {**state, 'model': {k: torch.full_like(v, float('nan')) if v.is_floating_point() else v
+                                        for k, v in state['model'].items()}},
+             'negative': {**state, 'iter_num': -5}, 'nanbest': {**state, 'best_val_loss': float('nan')}}
+    for name, ckpt in cases.items():
+        (tmp_path / name).mkdir()
+        torch.save(ckpt, tmp_path / name / 'ckpt.pt')
+    for name, message in (('big', "its vocabulary has 100 tokens, its model 65"),
+                          ('small', "its vocabulary has 3 tokens, its model 65"), ('nan', "weights are not all finite")):
+        r = run('sample.py', f'--out_dir={tmp_path / name}', '--num_samples=1', '--max_new_tokens=5', '--device=cpu')
+        assert message in one_line(r)
+    for name, message in (('negative', "no iter_num of the right kind"), ('nanbest', "no best_val_loss of the right")):
+        r = run('train.py', *TINY, f'--out_dir={tmp_path / name}', f'--data_dir={char_data}', '--init_from=resume',
+                '--max_iters=4')
+        assert message in one_line(r)
+
+
+def test_a_killed_prepare_script_leaves_no_temp_file(tmp_path):
+    """SIGTERM while a prepare script writes train.bin.tmpPID: exit 143, the temp file removed (it was left)."""
+    big = tmp_path / 'big.txt'
+    big.write_text(open(os.environ['SHAKESPEARE_PATH'], encoding='utf-8').read() * 40)
+    out = tmp_path / 'data'
+    p = subprocess.Popen([sys.executable, 'data/shakespeare_char/prepare.py', '--out_dir', str(out), '--input',
+                          str(big)], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    deadline = time.time() + 60
+    while not (out.is_dir() and [f for f in os.listdir(out) if '.tmp' in f]):
+        assert time.time() < deadline and p.poll() is None, "the prepare script ended before it was signalled"
+        time.sleep(0.005)
+    p.send_signal(signal.SIGTERM)
+    p.wait(timeout=60)
+    assert p.returncode == 143 and not [f for f in os.listdir(out) if '.tmp' in f], os.listdir(out)
+
+
+def test_bench_keeps_its_earlier_run_when_train_py_ran_none(tmp_path):
+    """`bench.py train -- --help`: train.py exits 0 without a run; bench.py deleted its earlier run, then crashed.
+    And decode in float16 on a CPU (fp16 matmuls ~500x slower, an 18-minute floor) is refused at once."""
+    earlier = tmp_path / 'train' / 'mha'
+    earlier.mkdir(parents=True)
+    (earlier / 'metrics.jsonl').write_text(json.dumps({'iter': 0}) + '\n')  # a folder bench.py wrote
+    r = run('bench.py', 'train', '--layouts=mha', '--max_iters=1', f'--out={tmp_path}', '--', '--help')
+    assert r.returncode == 2 and 'Traceback' not in r.stderr and "ended without a run" in r.stderr.splitlines()[-1]
+    assert (earlier / 'metrics.jsonl').read_text() == '{"iter": 0}\n'  # (bench.py's progress lines go to stderr too)
+    r = run('bench.py', 'decode', '--layouts=mha', '--dtype=float16', f'--out={tmp_path}')
+    assert "--dtype=float16 on CPU" in one_line(r)

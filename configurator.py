@@ -73,6 +73,10 @@ def check_memory(need, device, what):
         have = os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES')
     else:
         return
+    try:
+        need = float(need)
+    except OverflowError:  # an integer past a float's range
+        need = math.inf
     if need > have:  # (need is inf for a size whose byte count overflows)
         amount = f"at least {need / 1e9:,.1f} GB" if math.isfinite(need) else "more bytes than a 64-bit count holds"
         fail(f"{what} need {amount}; this {device.split(':')[0].upper()} has {have / 1e9:,.1f} GB")
@@ -148,8 +152,6 @@ def check(key, value, config, where):
              f"not {type(value).__name__}")
     if kind is float and not math.isfinite(value):
         fail(f"{where}: {key}={value!r} should be a finite number")
-    if kind is int and not -2 ** 62 < value < 2 ** 62:  # past it, sizes overflow torch's and float's counts
-        fail(f"{where}: {key}={value} is out of range (|value| < 2**62)")
     return value
 
 

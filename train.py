@@ -125,6 +125,7 @@ for ok, message in (
             ('weight_decay', weight_decay >= 0, '>= 0'), ('grad_clip', grad_clip >= 0, '>= 0 (0 = off)'),
             ('beta1', 0 <= beta1 < 1, 'in [0, 1)'), ('beta2', 0 <= beta2 < 1, 'in [0, 1)'),
             ('seed', 0 <= seed < 2 ** 62, 'in [0, 2**62)'))],
+        *[(abs(v) < 2 ** 62, f"{k}={v} is out of range (|value| < 2**62)") for k, v in config.items() if type(v) is int],
         (init_from != 'resume' or previous,
          f"init_from='resume' but there is no checkpoint at {os.path.join(out_dir, 'ckpt.pt')}"),
         (not (eval_only and init_from == 'scratch' and previous),

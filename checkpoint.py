@@ -189,7 +189,8 @@ def resume_state(out_dir, device, meta, asked, data_dir):
     path, ckpt, saved = max(loaded, key=lambda c: c[1]['iter_num'])  # the first of equals: ckpt.pt
     if ckpt.get('meta') != meta:  # the same tokens, not only as many
         fail(f"{path} was trained on another vocabulary ({saved.vocab_size} tokens) than the data in {data_dir} "
-             f"({asked.vocab_size}); resume with its --dataset / --data_dir or change out_dir")
+             f"({asked.vocab_size}{', other ones' * (saved.vocab_size == asked.vocab_size)}); resume with its --dataset / "
+             f"--data_dir or change out_dir")
     differ = model_flags(replace(saved, chunk_size=asked.chunk_size), asked)  # chunks of any size: the same weights
     if differ:
         fail(f"{path} is another model ({', '.join(differ)} in it); add those settings to resume it, or change out_dir")
@@ -303,7 +304,7 @@ class Run:
         try:
             write_atomic(path, lambda f: torch.save(state, f), durable=True)
         except FileError as e:
-            fail(f"{e}; {kept(self.out_dir)}, no partial file left")
+            fail(f"{e}; {kept(self.out_dir)}")
         print(f"saving checkpoint to {path}")
         if path == self.ckpt and os.path.isfile(self.last):
             os.remove(self.last)  # an older state than this checkpoint

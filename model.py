@@ -57,6 +57,7 @@ class GPTConfig:
                  *[(f, *whole(1)) for f in ('block_size', 'vocab_size', 'n_layer', 'n_head', 'n_embd', 'chunk_size',
                                             'conv_size')],
                  *[(f, *whole(0)) for f in ('n_kv_head', 'q_lora_rank', 'kv_lora_rank', 'rope_head_dim')],
+                 *[(f, lambda v: isinstance(v, bool), "must be True or False") for f in ('bias', 'match_mha_params')],
                  ('dropout', lambda v: 0.0 <= v < 1.0, "must be in [0, 1)"),
                  ('rope_base', lambda v: v > 0, "must be > 0"),
                  ('n_embd', lambda v: v % self.n_head == 0, f"must be divisible by n_head={self.n_head}"),

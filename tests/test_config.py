@@ -7,6 +7,8 @@ BAD = [
     (dict(attn='flash'), r"attn.*one of \('mha', 'gqa', 'mqa', 'mla', 'linear', 'retnet', 'mamba2', 'deltanet', "
                          r"'gated_deltanet'\), or a hybrid"),
     (dict(attn='delta'), r"attn='delta' is invalid"),                       # an unknown rule
+    (dict(bias='yes'), r"GPTConfig.bias='yes' is invalid: must be True or False"),  # a crafted checkpoint's model_args
+    (dict(match_mha_params=1), r"match_mha_params=1 is invalid: must be True or False"),
     (dict(attn='gated_deltanet*3+gqa', n_layer=3), r"attn.*has 4 layers, more than n_layer=3"),  # does not fit
     (dict(attn='deltanet*0+gqa'), r"attn.*hybrid.*; not 'deltanet\*0'$"), (dict(attn='deltanet*x+gqa'), r"attn.*hybrid"),
     (dict(attn='mamba2*2+foo+gqa'), r"hybrid.*; not 'foo'$"),  # the wrong part named

@@ -230,8 +230,7 @@ class Run:
             return
         try:
             os.makedirs(out_dir, exist_ok=True)
-            self.lock = open(os.open(os.path.join(out_dir, 'train.lock'), os.O_WRONLY | os.O_APPEND | os.O_CREAT |
-                                     os.O_NONBLOCK | getattr(os, 'O_NOFOLLOW', 0), 0o666), 'a')  # dropped at death
+            self.lock = appending(os.path.join(out_dir, 'train.lock'))  # the OS drops the lock when the process dies
         except OSError as e:
             fail(f"out_dir={out_dir!r} is not writable ({e.strerror}); pass --out_dir=DIR")
         try:
@@ -270,19 +269,15 @@ class Run:
 
     def log(self, row):
         """One row to metrics.jsonl (W&B's too): a failed write (disk full) stops the run with the log's rows whole."""
-        line = json.dumps({k: v if not isinstance(v, float) or math.isfinite(v) else None for k, v in row.items()})
         if not self.writes:
             return
+        line = json.dumps({k: v if not isinstance(v, float) or math.isfinite(v) else None for k, v in row.items()})
         if self.pending is not None:
             self.pending.append(line + '\n')
         else:
             size = os.path.getsize(self.metrics) if os.path.isfile(self.metrics) else 0
-            try:  # never blocking (a FIFO put there) nor through a link: only our own regular file
-                fd = os.open(self.metrics, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NONBLOCK |
-                             getattr(os, 'O_NOFOLLOW', 0), 0o666)
-                with open(fd, 'a') as f:
-                    if not stat.S_ISREG(os.fstat(fd).st_mode):
-                        raise OSError(errno.EINVAL, 'not a regular file')
+            try:
+                with appending(self.metrics) as f:
                     f.write(line + '\n')
             except OSError as e:
                 try:
@@ -368,6 +363,15 @@ class Run:
         if upload and os.path.isfile(self.ckpt):
             self.to_wandb(artifact)
         self.to_wandb(lambda wandb: wandb.finish())
+
+
+def appending(path):
+    """path opened to append, never blocking (a FIFO put there) nor through a link: only a regular file, else OSError."""
+    f = open(os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NONBLOCK | getattr(os, 'O_NOFOLLOW', 0), 0o666), 'a')
+    if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+        f.close()
+        raise OSError(errno.EINVAL, 'not a regular file')
+    return f
 
 
 def loads(line):

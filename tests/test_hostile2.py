@@ -10,7 +10,7 @@ import time
 
 import torch
 
-from conftest import ROOT
+from conftest import ROOT, SHAKESPEARE
 from test_hostile import one_line, run
 from test_train import TINY, train
 
@@ -104,7 +104,7 @@ def test_crafted_checkpoints_are_one_line(tmp_path, char_data):
 def test_a_killed_prepare_script_leaves_no_temp_file(tmp_path):
     """SIGTERM while a prepare script writes train.bin.tmpPID: exit 143, the temp file removed (it was left)."""
     big = tmp_path / 'big.txt'
-    big.write_text(open(os.environ['SHAKESPEARE_PATH'], encoding='utf-8').read() * 40)
+    big.write_text(open(SHAKESPEARE, encoding='utf-8').read() * 40)  # (CI sets no SHAKESPEARE_PATH)
     out = tmp_path / 'data'
     p = subprocess.Popen([sys.executable, 'data/shakespeare_char/prepare.py', '--out_dir', str(out), '--input',
                           str(big)], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE)

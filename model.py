@@ -308,38 +308,29 @@ def linear_step(q, k, v, g, beta, S, delta):
 
 def linear_chunked(q, k, v, g, beta, S, delta, chunk_size, keep_state=True):
     """Training, prefill: the same update over chunks of C tokens, matrix products inside a chunk and the state
-    between chunks. Inside chunk n, with G_i = Σ_{j<=i} g_j (log of the decay since the chunk began) and u_i what
+    between chunks. Inside a chunk, with G_i = Σ_{j<=i} g_j (log of the decay since the chunk began) and u_i what
     token i writes (v_i, or for the delta rule the corrected β_i (v_i - S_{i-1} k_i)):
         o_i = e^{G_i} q_i S_0 + Σ_{j<=i} e^{G_i - G_j} (q_i · k_j) u_j,   S_C = e^{G_C} S_0 + Σ_j e^{G_C - G_j} k_j u_jᵀ.
     The delta rule's u solve one unit-lower-triangular system per chunk (the WY / UT form, Yang et al. 2024):
         (I + A) U = diag(β) (V - diag(e^G) K S_0),   A_ij = β_i e^{G_i - G_j} (k_i · k_j) for j < i.
     S None is a zero state (training: its products skipped); keep_state=False skips the last chunk's write to S."""
-    B, H, T, _ = q.shape
-    C = min(chunk_size, T)
-    N = -(-T // C)  # N chunks of C steps, the last one padded: zero keys write nothing
-    chunks = lambda x, *d: (F.pad(x, (*d, 0, N * C - T)) if N * C > T else x).unflatten(2, (N, C))
-    q, k, v, beta = chunks(q, 0, 0), chunks(k, 0, 0), chunks(v, 0, 0), chunks(beta)   # (B, nh, N, C, .)
-    causal = torch.ones(C, C, dtype=torch.bool, device=q.device).tril()
-    if g is None:  # α = 1: nothing decays, the mask is all that is left of e^{G_i - G_j}
-        G, decay = q.new_zeros(B, H, N, C, 1), causal.to(q.dtype)
-    else:  # e^{G_i - G_j}, masked by adding -inf before the exp: no inf * 0, and nothing to undo in the backward
-        G = chunks(g).cumsum(-1)[..., None]                                           # (B, nh, N, C, 1)
-        decay = (G - G.transpose(-2, -1) + torch.zeros_like(causal, dtype=q.dtype).masked_fill(~causal, -math.inf)).exp()
-    scores = q @ k.transpose(-2, -1) * decay                                          # (B, nh, N, C, C)
-    if delta:
-        A = (beta[..., None] * k) @ k.transpose(-2, -1) * decay  # the solve reads only j < i
-    out, each = [], (x.unbind(2) for x in (q, k, v, G, beta, scores, A if delta else scores))  # (a slice's backward
-    for n, (q, k, u, G, beta, scores, A) in enumerate(zip(*each)):  # would zero-fill its whole tensor); chunk n's
-        eG = G.exp()                                                                  # (B, nh, C, 1)
+    g = torch.zeros_like(beta) if g is None else g  # α = 1: log α = 0
+    out, each = [], [x.split(chunk_size, dim=2) for x in (q, k, v, g, beta)]  # chunks of C tokens, the last shorter
+    for n, (q, k, u, g, beta) in enumerate(zip(*each)):                             # (B, nh, C, .) each
+        C = q.size(2)
+        G = g.cumsum(-1)[..., None]                                                   # (B, nh, C, 1)
+        # e^{G_i - G_j} for j <= i, masked before the exp: past the diagonal G_i - G_j may overflow it
+        decay = (G - G.mT).masked_fill(torch.ones(C, C, dtype=torch.bool, device=q.device).triu(1), -math.inf).exp()
+        eG = G.exp()
         if delta:  # the errors of the memory on each key, corrected for the writes before it in the chunk
             err = beta[..., None] * (u if S is None else u - eG * (k @ S))
-            u = UnitLowerSolve.apply(A, err)                                           # (I + A)⁻¹ err
-        y = scores @ u                                                                # (B, nh, C, d_v)
+            u = UnitLowerSolve.apply((beta[..., None] * k) @ k.mT * decay, err)  # (I + A)⁻¹ err; reads j < i
+        y = (q @ k.mT * decay) @ u                                                    # (B, nh, C, d_v)
         out.append(y if S is None else y + eG * (q @ S))
-        if n < N - 1 or keep_state:  # the state carried to the next chunk; None is zero, its products skipped
-            write = ((G[:, :, -1:] - G).exp() * k).transpose(-2, -1) @ u
+        if n < len(each[0]) - 1 or keep_state:  # the state carried to the next chunk; None is zero, its products skipped
+            write = ((G[:, :, -1:] - G).exp() * k).mT @ u
             S = write if S is None else eG[:, :, -1:] * S + write
-    return (torch.cat(out, 2) if N > 1 else out[0])[:, :, :T], S
+    return torch.cat(out, 2) if len(out) > 1 else out[0], S
 
 class LinearAttention(Attention):
     """The linear layouts: no softmax, no RoPE; the cache is a float32 state per head, S (d_k, d_v). 'linear'

@@ -173,6 +173,13 @@ def newest_out_dir():
     return os.path.dirname(max(glob('out*/ckpt.pt') + glob('out*/last.pt'), key=os.path.getmtime, default='out/'))
 
 
+def trained_on(ckpt):
+    """The data a checkpoint was trained on, in words: its data_dir or dataset, and its vocabulary's size."""
+    config, meta = ckpt.get('config') or {}, ckpt.get('meta') or {}
+    data = config.get('data_dir') or config.get('dataset') if isinstance(config, dict) else None
+    return f"{data or 'unknown data'} ({meta.get('vocab_size', '?'):,} tokens)" if isinstance(meta, dict) else 'unknown data'
+
+
 def resume_state(out_dir, device, meta, asked, data_dir):
     """(path, checkpoint) of the later of out_dir's checkpoints, if it is the model asked (a GPTConfig) on the data's
     vocabulary (meta), or one line. A broken one is never skipped silently (it may be the later state): it is named,
@@ -256,16 +263,19 @@ class Run:
         for old in self.previous if not self.resume else []:
             os.remove(old)
             print(f"removed {old} (--overwrite=True)")
-        rows = []
-        if self.resume and os.path.isfile(self.metrics):
-            with open(self.metrics, errors='replace') as f:  # a line cut short by a kill or with broken bytes: dropped
-                rows = [line for line in f if line.endswith('\n') and (row := loads(line))
-                        and isinstance(row.get('iter'), int) and row['iter'] < iter_num]
+        rows = [json.dumps(row) + '\n' for row in self.rows() if row['iter'] < iter_num] if self.resume else []
         try:
             write_atomic(self.metrics, ''.join(rows + self.pending))
         except FileError as e:
             self.fail(e)
         self.pending = None
+
+    def rows(self):
+        """metrics.jsonl's rows (a line cut short by a kill, with broken bytes or without an iteration: dropped)."""
+        if not os.path.isfile(self.metrics):
+            return []
+        with open(self.metrics, errors='replace') as f:
+            return [row for line in f if line.endswith('\n') and (row := loads(line)) and isinstance(row.get('iter'), int)]
 
     def log(self, row):
         """One row to metrics.jsonl (W&B's too): a failed write (disk full) stops the run with the log's rows whole."""

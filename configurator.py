@@ -52,6 +52,13 @@ def describe(e):
     return f"{type(e).__name__}: {' '.join(str(e).split())[:240] or '(no message)'}"
 
 
+def duration(seconds):
+    """A time span in short words: 42 s, 3m05s, 2h07m."""
+    s = round(seconds)
+    return f"{seconds:.1f} s" if seconds < 10 else f"{s} s" if s < 60 else \
+        f"{s // 60}m{s % 60:02d}s" if s < 3600 else f"{s // 3600}h{s % 3600 // 60:02d}m"
+
+
 def check_device(device, dtype):
     """--device and --dtype: one line and exit 2 for a name this machine cannot use."""
     import torch

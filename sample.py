@@ -7,14 +7,16 @@ Sample from a trained checkpoint, with or without the cache, or both side by sid
     python sample.py --out_dir=out-shakespeare-char-mla --compare            # both ways: same tokens? speed? bytes?
     python sample.py --start=FILE:prompt.txt --num_samples=1 --temperature=0
 """
+import glob
 import os
 import sys
 import time
 
 import torch
 
-from checkpoint import FileError, checkpoints, newest_out_dir, num_params, read_checkpoint, weights
-from configurator import check_device, check_memory, configure, describe, fail, memory_errors_in_one_line, on_closed_output
+from checkpoint import FileError, checkpoints, newest_out_dir, num_params, read_checkpoint, trained_on, weights
+from configurator import (check_device, check_memory, configure, describe, duration, fail, memory_errors_in_one_line,
+                          on_closed_output)
 from data.common import PrepareError, check_meta, tokenizer
 from model import GPT
 
@@ -58,12 +60,25 @@ ckpt_path = (checkpoints(out_dir) or [None])[0]
 if ckpt_path is None:
     fail(f"no checkpoint (ckpt.pt or last.pt) in {out_dir}{' nor any ./out*/' if found else ''}: train one first "
          f"(python train.py config/gqa.py config/cpu.py) or pass --out_dir")
-if found or ckpt_path.endswith('last.pt'):
-    print(f"sampling {ckpt_path}", file=sys.stderr)
 try:
     ckpt, cfg = read_checkpoint(ckpt_path, device)
 except FileError as e:  # truncated, corrupted or foreign files all land here
     fail(str(e))
+val = ckpt.get('val_loss') if isinstance(ckpt.get('val_loss'), float) else None  # last.pt's were not evaluated
+age = duration(time.time() - os.path.getmtime(ckpt_path))
+print(f"sampling {ckpt_path}: {cfg.attn}, trained on {trained_on(ckpt)}, iteration {ckpt.get('iter_num')}"
+      + (f", val loss {val:.4f}" if val is not None else "") + f", saved {age} ago", file=sys.stderr)
+if found:  # picked for the user: say so if ./out*/ also holds runs on other data
+    others = {}
+    for path in (p for d in sorted(glob.glob('out*/')) for p in checkpoints(d)[:1] if p != ckpt_path):
+        try:
+            others.setdefault(trained_on(torch.load(path, map_location='cpu', weights_only=True, mmap=True)), path)
+        except Exception:  # not ours to judge here: only the picked one must load
+            pass
+    others.pop(trained_on(ckpt), None)
+    if others:
+        listed = '; '.join(f"{os.path.dirname(p)}: {d}" for d, p in others.items())
+        print(f"note: ./out*/ also holds runs on other data ({listed}): pick one with --out_dir", file=sys.stderr)
 ptdtype = {'float32': torch.float32, 'bfloat16': torch.bfloat16, 'float16': torch.float16}[dtype]
 # sized from its config before anything is built: the weights, and per sample a full cache and a window's activations
 check_memory(num_params(cfg) * ptdtype.itemsize + num_samples * (
@@ -82,8 +97,10 @@ except Exception as e:  # weights of another shape, a broken vocabulary
     fail(f"cannot load checkpoint {ckpt_path}: {describe(e)}")
 ckpt = None
 model.eval().to(device=device, dtype=ptdtype)
+compiled = {True: False, False: False}  # with and without the cache: each way compiles its own shapes
 if compile:  # in place: stream() calls self(...), which a torch.compile(model) wrapper would not reach; on CUDA
     model.compile(mode='reduce-overhead' if 'cuda' in device else None)  # each decode step one CUDA graph replay
+    print("compiling the model (torch.compile): the first token waits for it, minutes on a CPU", file=sys.stderr)
 torch.manual_seed(seed)
 device_type = 'cuda' if 'cuda' in device else 'cpu'
 
@@ -120,6 +137,9 @@ def run(cached, stream=False, max_new_tokens=max_new_tokens):
     with torch.no_grad():
         new = []
         for tok in model.stream(x.expand(num_samples, -1), max_new_tokens, use_cache=cached, cache=cache, **options):
+            if compile and not compiled[cached]:  # the first token waited for the compilation
+                compiled[cached] = print(f"compiled: the first token took {duration(time.perf_counter() - t0)}",
+                                         file=sys.stderr) or True
             new.append(tok)
             if stream:
                 print(decode(tok[0].tolist()), end='', flush=True)
@@ -148,8 +168,10 @@ speed, result = {True: [], False: []}, {}
 for r in range(4):  # round 0: the warm-up
     for cached in (True, False):  # a line each on stderr: without the cache the baby GPT takes minutes on a CPU
         print(f"--compare: {f'round {r} of 3' if r else 'warm-up'}, {'with' if cached else 'without'} the cache",
-              file=sys.stderr, flush=True)
+              end='', file=sys.stderr, flush=True)
+        t0 = time.perf_counter()
         result[cached] = run(cached, max_new_tokens=max_new_tokens if r else min(8, max_new_tokens))
+        print(f": {duration(time.perf_counter() - t0)}", file=sys.stderr)
         speed[cached] += [result[cached][1]] if r else []
 (with_cache, _, cache), (without, _, _) = result[True], result[False]  # the cache as generation left it
 median = {k: sorted(v)[1] for k, v in speed.items()}

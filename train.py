@@ -29,7 +29,8 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from checkpoint import Run, checkpoints, kept, model_flags, num_params, resume_state, weights
-from configurator import check_device, check_memory, configure, describe, fail, memory_errors_in_one_line, on_closed_output
+from configurator import (check_device, check_memory, configure, describe, duration, fail, memory_errors_in_one_line,
+                          on_closed_output)
 from convert import conversion, pool_kv_heads
 from data.common import PrepareError, prepare_with, read_data, tokenizer
 from model import GPT, GPTConfig, mlp_hidden
@@ -343,24 +344,31 @@ if interrupts.requested(device):  # (one during W&B's init, on any rank)
 X, Y = get_batch('train', draw(iter_num, 0))  # micro-batch 0 of iteration iter_num
 t0 = time.time()
 local_iter_num, running_mfu, stop = 0, -1.0, False
+step_time, eval_time = None, 0.0  # recent seconds per step and per evaluation (with its sample and save): the ETA
+if compile:
+    print("compiling the model: the first iteration is slow (minutes on a CPU)", flush=True)
 ckpt_stale = init_from == 'resume' and os.path.basename(resume_path) == 'last.pt'  # ckpt.pt lacks these weights
 while True:
     lr = get_lr(iter_num) if decay_lr else learning_rate
     for param_group in optimizer.param_groups:
         param_group['lr'] = lr
 
-    losses = None
+    losses, t_eval = None, time.time()
     if (iter_num % eval_interval == 0 or iter_num >= max_iters or eval_only) and master_process:  # and at the end
+        print(f"step {iter_num}/{max_iters}: evaluating ({eval_iters} batches of train and of val)", flush=True)
         losses = estimate_loss()  # None if interrupted during it: dropped, the interrupt is handled below
+        eval_seconds = time.time() - t_eval
         if losses is None and eval_only:
             print("error: interrupted during the evaluation; nothing was written", file=sys.stderr)
             sys.exit(130)
     if losses:
-        print(f"step {iter_num}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f}")
-        if (sample_every_eval or run.wandb) and decode:
+        print(f"step {iter_num}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f} "
+              f"(evaluated in {duration(eval_seconds)})")
+        if (sample_every_eval or run.wandb) and decode:  # sampled as sample.py does, seeded by the iteration
             raw_model.eval()
-            with ctx:
-                text = decode(raw_model.generate(prompt, 200, temperature=0)[0, prompt.size(1):].tolist())
+            with ctx, torch.random.fork_rng(devices=[device] if device_type == 'cuda' else []):
+                torch.manual_seed(draw(iter_num, -1).initial_seed())  # a resumed run logs the same text
+                text = decode(raw_model.generate(prompt, 200, temperature=0.8, top_k=200)[0, prompt.size(1):].tolist())
             raw_model.train()
             if sample_every_eval:
                 print(f"sample:\n{text}\n---")
@@ -378,6 +386,8 @@ while True:
             if ckpt_stale:
                 save(run.ckpt, losses['val'])
                 ckpt_stale = False
+        eval_time = time.time() - t_eval
+        t0 += eval_time  # the step's time without the evaluation
     if eval_only:
         break
     stop = interrupts.requested(device)  # once per iteration on every rank: a collective under DDP
@@ -413,14 +423,19 @@ while True:
 
     t1 = time.time()
     dt, t0 = t1 - t0, t1
+    if compile and local_iter_num == 0 and master_process:
+        print(f"compiled: the first iteration took {duration(dt)}")
+    step_time = None if local_iter_num == 0 else step_time * 0.9 + dt * 0.1 if step_time else dt  # (not the warm-up)
     if iter_num % log_interval == 0 and master_process:
         lossf = loss.item() * gradient_accumulation_steps
-        if local_iter_num >= 5:  # let the loop settle before measuring
+        if local_iter_num >= 5 and device_type == 'cuda':  # let the loop settle; the A100 peak means nothing on a CPU
             mfu = flops_per_token * batch_size * gradient_accumulation_steps * block_size / dt / 312e12
             running_mfu = mfu if running_mfu == -1.0 else 0.9 * running_mfu + 0.1 * mfu
         measured = {'mfu': running_mfu * 100} if running_mfu >= 0 else {}  # nothing until it is measured
-        print(f"iter {iter_num}: loss {lossf:.4f}, time {dt * 1000:.2f}ms, {tokens_per_iter / dt:,.0f} tok/s" +
-              (f", mfu {running_mfu * 100:.2f}%" if measured else ""))
+        evals_left = max_iters // eval_interval - iter_num // eval_interval + (max_iters % eval_interval > 0)
+        eta = step_time and (max_iters - iter_num - 1) * step_time + evals_left * eval_time
+        print(f"iter {iter_num}/{max_iters}: loss {lossf:.4f}, time {dt * 1000:.2f}ms, {tokens_per_iter / dt:,.0f} tok/s" +
+              (f", mfu {running_mfu * 100:.2f}%" if measured else "") + (f", ETA {duration(eta)}" if step_time else ""))
         run.log({'iter': iter_num, 'train/batch_loss': lossf, 'lr': lr, 'ms_per_iter': dt * 1000,
                  'tokens_per_sec': tokens_per_iter / dt, **measured})
     iter_num += 1
@@ -432,6 +447,12 @@ if ddp:  # every rank must end with the same weights
     print(f"rank {ddp_rank}: weights sha256 {digest.hexdigest()[:16]}", flush=True)
     dist.destroy_process_group()
 run.finish_wandb(wandb_log_checkpoint, wandb_id, best_val_loss)
+if run.writes and not stop:  # the closing line: the best evaluation logged, where the weights are, how to sample them
+    best = min((r for r in run.rows() if r.get('val/loss') is not None), key=lambda r: r['val/loss'], default=None)
+    held = run.ckpt if os.path.isfile(run.ckpt) else run.last
+    print(f"done at iteration {iter_num}" + (f": best val loss {best['val/loss']:.4f} at iteration {best['iter']}" if best
+          else "") + (f"; {'the latest evaluated' if always_save_checkpoint else 'the best'} weights in {held}; sample "
+          f"them with: python sample.py --out_dir={shlex.quote(out_dir)}" if os.path.isfile(held) else "; no weights saved"))
 # DDP keeps gloo's worker threads alive past destroy_process_group; one that frees a tensor while Python shuts down
 # aborts the run (SIGABRT). All is saved by now, so leave without that shutdown
 if ddp:

@@ -177,8 +177,8 @@ def test_eval_only_resume_evaluates_and_writes_nothing(tmp_path, trained, char_d
                         '--init_from=resume', '--eval_only=True', '--always_save_checkpoint=True', '--max_iters=2'],
                        cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
-    assert re.search(r"^step 4: train loss [\d.]+, val loss [\d.]+$", r.stdout, re.M), r.stdout
-    assert not re.search(r"^iter \d+:", r.stdout, re.M) and 'saving checkpoint' not in r.stdout
+    assert re.search(r"^step 4: train loss [\d.]+, val loss [\d.]+ \(evaluated in [\d.]+ s\)$", r.stdout, re.M), r.stdout
+    assert not re.search(r"^iter \d+/", r.stdout, re.M) and 'saving checkpoint' not in r.stdout
     assert digest(trained / 'ckpt.pt') == before
 
 
@@ -246,7 +246,7 @@ def test_an_interrupt_keeps_the_best_weights_and_resumes_where_it_stopped(tmp_pa
                        capture_output=True, text=True, timeout=120)
     source = 'last.pt' if it > best['iter_num'] else 'ckpt.pt'  # (the interrupt may land on a save: the same state)
     assert r.returncode == 0 and f"resuming from {tmp_path / source} at iteration {it}" in r.stdout, r.stderr
-    assert re.search(rf"^iter {it}: loss", r.stdout, re.M) and not re.search(rf"^iter {it - 1}:", r.stdout, re.M)
+    assert re.search(rf"^iter {it}/{it + 1}: loss", r.stdout, re.M) and not re.search(rf"^iter {it - 1}/", r.stdout, re.M)
     end = {f.name: torch.load(f, weights_only=True) for f in tmp_path.glob('*.pt')}  # the end state is kept: in
     assert max(c['iter_num'] for c in end.values()) == it + 1  # ckpt.pt if its val loss is the best, else last.pt
     ckpt = end['ckpt.pt']  # (an eval at iteration `it` itself may have saved a new best before the end state)

@@ -178,13 +178,16 @@ def test_sample_as_typed_finds_the_newest_checkpoint(tmp_path, ckpt_dir):
     for args in (['--use_cache'], ['--compare']):
         r = cwd(*args, '--max_new_tokens=12')
         said = r.stderr.strip().splitlines()  # which checkpoint; --compare: then a line per run, never silent
-        assert r.returncode == 0 and said[0] == f"sampling {os.path.join('out-newer', 'ckpt.pt')}", r.stderr
-        assert said[1:] == ([] if args == ['--use_cache'] else [f"--compare: {when}, {w} the cache" for when in
-                            ['warm-up', 'round 1 of 3', 'round 2 of 3', 'round 3 of 3'] for w in ('with', 'without')])
+        assert r.returncode == 0 and re.fullmatch(re.escape(f"sampling {os.path.join('out-newer', 'ckpt.pt')}: ") + r"mla, "
+                                                   r"trained on \S+ \(65 tokens\), iteration 40, val loss \d\.\d{4}, "
+                                                   r"saved [\dms.]+( s)? ago", said[0]), r.stderr  # what was picked
+        assert [re.sub(r': [\d.]+ s$', '', line) for line in said[1:]] == ([] if args == ['--use_cache'] else [
+            f"--compare: {when}, {w} the cache" for when in ['warm-up', 'round 1 of 3', 'round 2 of 3', 'round 3 of 3']
+            for w in ('with', 'without')])  # each round: how long it took
     assert 'tokens identical' in r.stdout
     os.remove(tmp_path / 'out-newer' / 'ckpt.pt')  # an interrupted run left only last.pt: sampled too
     shutil.copy(tmp_path / 'out-older' / 'ckpt.pt', tmp_path / 'out-newer' / 'last.pt')
-    assert cwd('--max_new_tokens=3').stderr.strip() == f"sampling {os.path.join('out-newer', 'last.pt')}"
+    assert cwd('--max_new_tokens=3').stderr.strip().startswith(f"sampling {os.path.join('out-newer', 'last.pt')}: ")
     shutil.rmtree(tmp_path / 'out-older'), shutil.rmtree(tmp_path / 'out-newer')
     r = cwd()
     assert r.returncode == 2 and r.stderr.startswith('error: no checkpoint (ckpt.pt or last.pt) in out nor any ./out*/')

@@ -142,11 +142,11 @@ def test_wandb_offline_run_read_back(tmp_path, char_data):
         f"upload it later with: wandb sync" in r.stdout, r.stdout
     records = wandb_records(tmp_path / 'wandb' / runs[0])
     history = [row['history']['item'] for row in records if row.get('type') == 'history']
-    for key in ('iter', 'train/loss', 'val/loss', 'lr', 'tokens_per_sec', 'mfu', 'train/batch_loss', 'ms_per_iter'):
+    for key in ('iter', 'train/loss', 'val/loss', 'lr', 'tokens_per_sec', 'train/batch_loss', 'ms_per_iter'):
         assert key in set().union(*history), key
     assert [h['iter'] for h in history if 'val/loss' in h] == [0, 5, 10]
-    steps = [m for m in metrics(out) if 'train/batch_loss' in m]  # MFU is logged once measured (iter 5), not as -100
-    assert 'mfu' not in steps[0] and all(m['mfu'] >= 0 for m in steps[1:])
+    steps = [m for m in metrics(out) if 'train/batch_loss' in m]  # no MFU on a CPU: an A100's peak means nothing there
+    assert steps and not any('mfu' in m for m in steps) and not any('mfu' in h for h in history)
     assert [h['val/loss'] for h in history if 'val/loss' in h] == \
         [m['val/loss'] for m in metrics(out) if 'val/loss' in m]  # the same rows as metrics.jsonl
     assert not any('cache_bytes_per_token' in h for h in history)  # a constant: in the summary

@@ -11,6 +11,7 @@ report to --out/MODE.md (default out-bench/); --readme writes results/MODE.md an
     python bench.py mqar                  # associative recall vs the number of pairs: what a fixed state can hold
 """
 import copy
+import dataclasses
 import json
 import math
 import os
@@ -32,7 +33,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
 from checkpoint import FileError, num_params, write_atomic
-from configurator import Parser, check_device, check_memory, checked, describe, fail, memory_errors_in_one_line
+from configurator import Parser, check_device, check_memory, checked, describe, fail, memory_errors_in_one_line, parse_value
 from model import GPT, GPTConfig, ATTN_LAYOUTS, linear_chunked
 
 os.environ.setdefault('KINETO_LOG_LEVEL', '6')  # no 'USDT: profiler_start' lines (inductor profiles GPU kernels)
@@ -139,10 +140,26 @@ def train_run(run_dir, args):
     return dict(rows=rows, evals=[r for r in rows if 'val/loss' in r], params=re.search(r"([\d.]+)M param", r.stdout)[1],
                 tokens=int(re.search(r"tokens per iteration will be: ([\d,]+)", r.stdout)[1].replace(',', '')))
 
+def check_models(args, recipe, layouts=None):
+    """Each layout's model as train.py will build it (config/NAME.py, the recipe's files, the extras), before the
+    first run: one the extras break fails now, not after the layouts before it trained and replaced their runs."""
+    defaults = {f.name: f.default for f in dataclasses.fields(GPTConfig)}
+    for attn in layouts or args.layouts:
+        values = {}
+        for path in [f'config/{attn}.py', *(r for r in recipe if r.endswith('.py'))]:
+            values.update(runpy.run_path(path))
+        for key, _, text in (x[2:].partition('=') for x in args.extra):
+            values[key] = parse_value(text, defaults.get(key, ''))
+        try:
+            GPTConfig(**{k: v for k, v in values.items() if k in defaults})
+        except (TypeError, ValueError) as e:
+            fail(f"layout {attn} with {' '.join(args.extra)}: {describe(e) if isinstance(e, TypeError) else e}")
+
 def train_report(args):
     """Every layout, same seed and batches (CPU: nanoGPT's CPU preset; CUDA: the baby-GPT recipe, bf16)."""
     cpu, rows = args.device == 'cpu', []
     every, recipe = (100, ['config/cpu.py']) if cpu else (250, [f'--device={args.device}'])
+    check_models(args, recipe)
     runs = {attn: train_run(os.path.join(args.out, 'train', attn), [
         f'config/{attn}.py', *recipe, f'--max_iters={args.max_iters}', f'--lr_decay_iters={args.max_iters}',
         f'--eval_interval={every}', '--log_interval=1', *args.extra]) for attn in args.layouts}
@@ -203,6 +220,7 @@ def convert_report(args):
     name = {'mha': 'MHA', 'gqa': 'GQA, 2 K/V heads', 'mqa': 'MQA'}
     ups = sorted({round(f * iters) for f in args.fractions})  # uptraining iterations
     shown = min([n for n in ups if n] or [0], key=lambda n: abs(n / iters - 0.05))  # the headline's: 5%, or nearest
+    check_models(args, ['config/cpu.py'], ['mha', 'gqa', 'mqa'])
 
     def run(folder, attn, n, *more):
         return train_run(os.path.join(out, folder), [

@@ -19,6 +19,7 @@ bench.py find and read checkpoints here too.
   sized from its config before anything is built.
 torch is imported where it is used: train.py catches interrupts before its slow import.
 """
+import atexit
 import errno
 import json
 import math
@@ -29,7 +30,7 @@ import shutil
 import signal
 import stat
 import sys
-from contextlib import contextmanager
+from contextlib import contextmanager, redirect_stderr, redirect_stdout
 from dataclasses import fields, replace
 
 from configurator import describe, fail
@@ -47,6 +48,7 @@ class Interrupts:
 
     def __init__(self):
         self.flag, self.at_once = False, True
+        self.left = lambda: "nothing was written"  # Run's discard(): what an early stop leaves, after removing its files
         for name in ('SIGINT', 'SIGTERM', 'SIGHUP'):  # (Windows has no SIGHUP)
             if hasattr(signal, name):
                 signal.signal(getattr(signal, name), self)
@@ -56,10 +58,9 @@ class Interrupts:
         if self.at_once:
             self.stop()
 
-    @staticmethod
-    def stop():
+    def stop(self):
         try:  # os.write, not print: a handler may run inside a print
-            os.write(2, b"error: interrupted before training started; nothing was written\n")
+            os.write(2, f"error: interrupted before training started; {self.left()}\n".encode())
         except OSError:
             pass
         os._exit(130)
@@ -204,21 +205,30 @@ def resume_state(out_dir, device, meta, asked, data_dir):
     return path, ckpt
 
 
+def used_fields(cfg):
+    """The fields of GPTConfig cfg that its layouts use (the others keep 0 or a default nothing reads)."""
+    linear = [a for a in cfg.layer_counts() if a not in ('mha', 'gqa', 'mqa', 'mla')]
+    unused = {'n_kv_head': cfg.softmax in (None, 'mla'), 'kv_lora_rank': cfg.softmax != 'mla', 'chunk_size': not linear,
+              'rope_head_dim': cfg.softmax != 'mla', 'q_lora_rank': cfg.softmax != 'mla', 'conv_size': linear in ([], ['linear']),
+              'rope_base': cfg.pos_emb != 'rope' or not cfg.softmax}
+    return [f.name for f in fields(cfg) if not unused.get(f.name)]
+
+
 def model_flags(a, b):
-    """The --key=value settings of GPTConfig a that differ from b (MLA's sizes only if a has MLA: else 0, implied)."""
-    return [f"--{k}={getattr(a, k)}" for k in (f.name for f in fields(a)) if k != 'vocab_size'
-            and getattr(a, k) != getattr(b, k) and (a.softmax == 'mla' or k not in ('kv_lora_rank', 'rope_head_dim'))]
+    """The --key=value settings of GPTConfig a that differ from b, of the fields a uses."""
+    return [f"--{k}={getattr(a, k)}" for k in used_fields(a) if k != 'vocab_size' and getattr(a, k) != getattr(b, k)]
 
 
 def num_params(config):
     """GPT(config)'s parameter count, before anything is built: one block of each layout on the meta device, times
     its number of layers, plus the embeddings (any n_layer); inf where a tensor's size would overflow."""
     import torch
-    from model import GPT, Block
+    from model import GPT, Block, GPTConfig
     count = lambda module: sum(p.numel() for p in module.parameters())
     try:
         with torch.device('meta'):
-            one = GPT(replace(config, n_layer=1, attn=config.softmax or config.pattern()[0]))  # for its embeddings
+            one = GPT(replace(config, n_layer=1, attn=config.softmax or config.pattern()[0],  # for its embeddings
+                              conv_size=GPTConfig.conv_size))
             blocks = sum(n * count(Block(config, a)) for a, n in config.layer_counts().items())
             return count(one) - count(one.transformer.h[0]) + blocks
     except (RuntimeError, OverflowError, TypeError):  # "Storage size calculation overflowed", or past int64
@@ -233,9 +243,14 @@ class Run:
     def __init__(self, out_dir, resume, writes=True):
         self.out_dir, self.resume, self.writes, self.pending, self.wandb = out_dir, resume, writes, [], None
         self.ckpt, self.last, self.metrics = (os.path.join(out_dir, n) for n in ('ckpt.pt', 'last.pt', 'metrics.jsonl'))
+        self.made, self.wandb_dir = [], None  # what a run that stops before its first write removes again
         if not writes:
             return
         try:
+            d = os.path.abspath(out_dir)
+            while not os.path.isdir(d):  # the folders makedirs adds, outermost first, then the lock if new
+                self.made, d = [d] + self.made, os.path.dirname(d)
+            self.made += [os.path.join(out_dir, 'train.lock')] * (not os.path.exists(os.path.join(out_dir, 'train.lock')))
             os.makedirs(out_dir, exist_ok=True)
             self.lock = appending(os.path.join(out_dir, 'train.lock'))  # the OS drops the lock when the process dies
         except OSError as e:
@@ -248,6 +263,37 @@ class Run:
         except OSError:
             fail(f"out_dir={out_dir!r} is in use by another train.py run; wait for it to end or pass another --out_dir")
         self.previous = checkpoints(out_dir)  # an earlier run's (--overwrite or a resume: checked by train.py)
+        atexit.register(self.discard)
+
+    def discard(self):
+        """Before the first write, at any exit: remove what this run made (its lock file, its new out_dir, its offline
+        W&B folder); returns what is left, in words."""
+        if self.pending is None or not self.writes:
+            return "nothing was written"
+        left = []
+        if self.wandb_dir:
+            try:
+                with open(os.devnull, 'w') as null, redirect_stdout(null), redirect_stderr(null):  # its "sync it" lines
+                    self.wandb.finish(exit_code=130)
+            except Exception:
+                pass
+            if self.wandb_mode == 'offline':  # the folder, and W&B's links to it (latest-run, debug.log)
+                shutil.rmtree(self.wandb_dir, ignore_errors=True)
+                parent = os.path.dirname(self.wandb_dir)
+                for link in (os.path.join(parent, f) for f in os.listdir(parent)):
+                    if os.path.islink(link) and not os.path.exists(link):
+                        os.remove(link)
+                if not os.listdir(parent):
+                    os.rmdir(parent)
+            else:
+                left.append(f"the W&B run {self.wandb_name} was started {self.wandb_mode}")
+        for path in reversed(self.made):
+            try:
+                os.remove(path) if path.endswith('train.lock') else os.rmdir(path)  # (rmdir: only if still empty)
+            except OSError:
+                pass
+        self.writes = False  # once: every method a no-op from here on
+        return "nothing was written" + ''.join(f" but {w}" for w in left)
 
     def first_write(self, iter_num):
         """The run's first write (later calls: nothing): only now may an earlier run's files change. Killed runs' temp
@@ -277,8 +323,9 @@ class Run:
         with open(self.metrics, errors='replace') as f:
             return [row for line in f if line.endswith('\n') and (row := loads(line)) and isinstance(row.get('iter'), int)]
 
-    def log(self, row):
-        """One row to metrics.jsonl (W&B's too): a failed write (disk full) stops the run with the log's rows whole."""
+    def log(self, row, to_wandb=True):
+        """One row to metrics.jsonl (and W&B's, unless the run resumed sent it): a failed write (disk full) stops the
+        run with the log's rows whole."""
         if not self.writes:
             return
         line = json.dumps({k: v if not isinstance(v, float) or math.isfinite(v) else None for k, v in row.items()})
@@ -296,8 +343,9 @@ class Run:
                 except OSError:
                     pass
                 self.fail(f"cannot write {self.metrics}: {why(e, self.metrics)}", "the log's last row whole")
-        self.to_wandb(lambda wandb: wandb.log({k: v for k, v in row.items() if k != 'cache_bytes_per_token'},
-                                              step=row['iter']))
+        if to_wandb:
+            self.to_wandb(lambda wandb: wandb.log({k: v for k, v in row.items() if k != 'cache_bytes_per_token'},
+                                                  step=row['iter']))
 
     def save(self, path, state, iter_num):
         """A checkpoint, flushed to disk and renamed into place; weights that are not finite are never saved."""
@@ -319,7 +367,7 @@ class Run:
         if not self.writes:
             return
         if self.pending is not None:
-            print("error: interrupted before the first training step; nothing was written", file=sys.stderr)
+            print(f"error: interrupted before the first training step; {self.discard()}", file=sys.stderr)
             return
         print(f"interrupted before iteration {iter_num}: its state saved to "
               f"{self.last if os.path.isfile(self.last) else self.ckpt}"
@@ -349,7 +397,8 @@ class Run:
         except Exception as e:
             fail(f"W&B could not start ({describe(e)}); train without it (--wandb_log=False) or --wandb_mode=offline")
         self.wandb = wandb  # on: to_wandb calls go through
-        folder = os.path.relpath(os.path.dirname(run.dir))
+        self.wandb_dir, self.wandb_mode, self.wandb_name = os.path.dirname(run.dir), mode, name
+        folder = os.path.relpath(self.wandb_dir)
         print(f"W&B run {name} ({mode}) in {folder}" + (f"; upload it later with: wandb sync {folder}"
                                                         if mode == 'offline' else ''))
 

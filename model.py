@@ -79,12 +79,17 @@ class GPTConfig:
             if softmax != 'mla' and getattr(self, field) not in (0, default):  # (checkpoints converted before 12/2026
                 self.bad(field, f"only attn='mla' uses it; attn={self.attn!r} has no MLA layer")  # hold the defaults)
             setattr(self, field, (getattr(self, field) or default) if softmax == 'mla' else 0)
+        convs = any(a in LINEAR_RULES and a != 'linear' for a in self.pattern())
+        if convs and self.conv_size > max(self.block_size, GPTConfig.conv_size) or not convs and self.conv_size != GPTConfig.conv_size:
+            self.bad('conv_size', f"must be <= block_size={self.block_size} (taps further back never see a token)" if convs
+                     else f"only the linear layouts but 'linear' have the short conv; attn={self.attn!r} has none")
         if softmax == 'mla' and self.rope_head_dim % 2:
             self.bad('rope_head_dim', "must be even for attn='mla' (RoPE rotates pairs)")
         if self.pos_emb == 'rope' and softmax in ('mha', 'gqa', 'mqa') and self.head_dim % 2:
             self.bad('n_embd', f"n_embd / n_head = {self.head_dim} must be even for RoPE (or use pos_emb='learned')")
         if self.match_mha_params and mlp_hidden(self) < 1:
-            self.bad('match_mha_params', f"the MLP would need {mlp_hidden(self)} units; lower kv_lora_rank, q_lora_rank")
+            self.bad('match_mha_params', f"the MLP would need {mlp_hidden(self)} units: the attention alone outweighs "
+                     f"MHA's block (lower {'kv_lora_rank, q_lora_rank' if softmax == 'mla' else 'conv_size'}, or turn it off)")
 
     def bad(self, field, rule):
         raise ValueError(f"GPTConfig.{field}={getattr(self, field)!r} is invalid: {rule}")
@@ -93,8 +98,8 @@ class GPTConfig:
         """'gated_deltanet*3+gqa' -> [gated_deltanet, gated_deltanet, gated_deltanet, gqa]; [] if not one."""
         attn = self.attn if attn is None else attn
         parts = [p.partition('*') for p in attn.split('+')] if isinstance(attn, str) else [('', '', '')]
-        ok = all(name in ATTN_LAYOUTS and (not star or n.isascii() and n.isdigit() and 0 < int(n[:7]) < 10 ** 6)
-                 for name, star, n in parts)  # (a count of a million layers is refused before it is built)
+        ok = all(name in ATTN_LAYOUTS and (not star or n.isascii() and n.isdigit() and 0 < int(n.lstrip('0')[:7] or 0)
+                 < 10 ** 6) for name, star, n in parts)  # (a count of a million layers is refused before it is built)
         return [name for name, _, n in parts for _ in range(int(n or 1))] if ok else []
 
     @property
@@ -455,7 +460,7 @@ def mlp_hidden(config):
     with torch.device('meta'):  # counted, nothing allocated; MHA's weights, without RoPE's rule of an even head_dim
         count = lambda cfg, a: sum(p.numel() for p in make_attention(cfg, a).parameters())
         mha = replace(config, attn='mha', n_kv_head=0, q_lora_rank=0, kv_lora_rank=0, rope_head_dim=0, pos_emb='learned',
-                      match_mha_params=False)
+                      conv_size=GPTConfig.conv_size, match_mha_params=False)
         extra = sum(n * (count(mha, 'mha') - count(config, a)) for a, n in config.layer_counts().items()) / config.n_layer
     return 4 * config.n_embd + round(extra / (2 * config.n_embd + config.bias))  # c_fc row + c_proj column
 

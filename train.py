@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from checkpoint import Run, checkpoints, kept, model_flags, num_params, resume_state, weights
+from checkpoint import Run, checkpoints, kept, model_flags, num_params, resume_state, used_fields, weights
 from configurator import (check_device, check_memory, configure, describe, duration, fail, memory_errors_in_one_line,
                           on_closed_output)
 from convert import conversion, pool_kv_heads
@@ -105,7 +105,8 @@ model_keys = [f.name for f in fields(GPTConfig) if f.name != 'vocab_size']
 converting = init_from not in ('scratch', 'resume')  # init_from is an MHA out_dir to convert
 previous = checkpoints(out_dir)
 DATA = os.path.join(os.path.dirname(os.path.abspath(__file__)), 'data')
-datasets = sorted(d for d in os.listdir(DATA) if os.path.isfile(os.path.join(DATA, d, 'prepare.py')))
+datasets = sorted(d for d in os.listdir(DATA) if os.path.isfile(os.path.join(DATA, d, 'prepare.py'))
+                  and d != 'mqar')  # (mqar: bench.py mqar's synthetic recall sequences, not a text to train on)
 remake = f"python data/{dataset}/prepare.py --input FILE --out_dir {data_dir}" if data_dir else "delete it and run again"
 check_device(device, dtype)
 try:
@@ -159,6 +160,7 @@ else:
 tokens_per_iter = gradient_accumulation_steps * ddp_world_size * batch_size * block_size
 # out_dir's files, on rank 0 (eval_only writes nothing): locked from here on, written from the first step on
 run = Run(out_dir, init_from == 'resume', writes=master_process and not eval_only)
+interrupts.left = run.discard  # an interrupt before the first step removes what the run made (lock, W&B folder)
 torch.manual_seed(seed + ddp_rank)
 torch.backends.cuda.matmul.allow_tf32 = True
 torch.backends.cudnn.allow_tf32 = True
@@ -207,12 +209,13 @@ def get_batch(split, generator):
 
 
 # model: from scratch, resumed (from the later of ckpt.pt and last.pt), or converted from an MHA checkpoint
-iter_num, best_val_loss, wandb_id = 0, 1e9, None
+iter_num, best_val_loss, wandb_state = 0, 1e9, {}  # wandb_state: the W&B run's id, name, config, samples, evals sent
 asked = gptconf = GPTConfig(vocab_size=meta['vocab_size'], **{k: config[k] for k in model_keys})  # the flags' model
 if init_from == 'resume':
     resume_path, checkpoint = resume_state(out_dir, device, meta, asked, data_dir)
     iter_num, best_val_loss = checkpoint['iter_num'], checkpoint['best_val_loss']
-    wandb_id = checkpoint.get('wandb_id')  # a resumed run continues its W&B run
+    wandb_state = checkpoint.get('wandb') if isinstance(checkpoint.get('wandb'), dict) else {  # a resume continues
+        'id': checkpoint.get('wandb_id')}  # its W&B run (as one: same name, config, samples; no step sent twice)
     if iter_num > max_iters and not eval_only:
         fail(f"{resume_path} is at iteration {iter_num}, past max_iters={max_iters}: nothing to train "
              f"(raise max_iters to continue, or --eval_only=True to evaluate it)")
@@ -301,7 +304,6 @@ except ValueError:  # a vocabulary without a newline
     prompt = torch.tensor([[0]], device=device)
 except PrepareError:  # a BPE whose encoding cannot be downloaded: no samples
     decode = None
-samples = []
 
 
 def get_lr(it):
@@ -316,7 +318,7 @@ def get_lr(it):
 def save(path, val_loss=None):  # val_loss: of these weights (None: not evaluated); best_val_loss: of ckpt.pt's
     run.save(path, {'model': raw_model.state_dict(), 'optimizer': optimizer.state_dict(), 'model_args': asdict(gptconf),
                     'iter_num': iter_num, 'val_loss': val_loss, 'best_val_loss': best_val_loss, 'config': config,
-                    'meta': meta, 'wandb_id': wandb_id}, iter_num)
+                    'meta': meta, 'wandb': wandb_state, 'wandb_id': wandb_state.get('id')}, iter_num)
 
 
 def resume_command():
@@ -327,15 +329,23 @@ def resume_command():
     return shlex.join(launcher + [sys.argv[0]] + args + model_flags(gptconf, asked))
 
 
+samples = [row for row in wandb_state.get('samples', []) if row[0] < iter_num]  # the table's rows (iter, layout, text)
+wandb_state['samples'] = samples
 if wandb_log and run.writes:
     origin = f"-from-{os.path.basename(os.path.normpath(init_from))}" if converting else ''
     name = wandb_run_name or f"{attn}{origin}-{time.strftime('%Y%m%d-%H%M%S')}"
-    name = name if attn in name else f"{attn}-{name}"
-    wandb_id = wandb_id or os.urandom(4).hex()  # kept in the checkpoint: a resume continues this run
+    name = wandb_state['name'] if wandb_state.get('name') and 'wandb_run_name' not in given else name  # a resume: same
+    wandb_state.update(name=name if attn in name else f"{attn}-{name}", id=wandb_state.get('id') or os.urandom(4).hex())
+    now = {**{k: v for k, v in config.items() if k not in model_keys or k == 'attn'},  # the model: only what it uses,
+           'model': {k: getattr(gptconf, k) for k in used_fields(gptconf)}, 'mlp_hidden': mlp_hidden(gptconf),  # resolved
+           'params': raw_model.get_num_params(), 'tokens_per_iter': tokens_per_iter}
+    first = wandb_state.get('config') or now  # a resume keeps the run's config, and adds what it changed
+    wandb_state['config'] = first if init_from != 'resume' else {**first, f'resumed_at_{iter_num}': {
+        k: v for k, v in now.items() if first.get(k) != v and k != 'init_from'}}
     with interrupts.deferred():  # W&B writes files
-        run.start_wandb(wandb_project, name, wandb_id, {**config, 'model': asdict(gptconf), 'mlp_hidden': mlp_hidden(
-            gptconf), 'params': raw_model.get_num_params(), 'tokens_per_iter': tokens_per_iter},  # the resolved shape
-            {'params': raw_model.get_num_params(), 'cache_bytes_per_token': cache_bytes_per_token}, wandb_mode)
+        run.start_wandb(wandb_project, wandb_state['name'], wandb_state['id'], wandb_state['config'],
+                        {'params': raw_model.get_num_params(), 'cache_bytes_per_token': cache_bytes_per_token}, wandb_mode)
+
 interrupts.at_once = False  # from here on an interrupt is a flag, checked at every iteration
 if interrupts.requested(device):  # (one during W&B's init, on any rank)
     interrupts.stop()
@@ -364,6 +374,7 @@ while True:
     if losses:
         print(f"step {iter_num}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f} "
               f"(evaluated in {duration(eval_seconds)})")
+        new = iter_num > wandb_state.get('evals', -1)  # not sent to W&B already, by the run this one resumes
         if (sample_every_eval or run.wandb) and decode:  # sampled as sample.py does, seeded by the iteration
             raw_model.eval()
             with ctx, torch.random.fork_rng(devices=[device] if device_type == 'cuda' else []):
@@ -373,10 +384,13 @@ while True:
             if sample_every_eval:
                 print(f"sample:\n{text}\n---")
             samples.append([iter_num, attn, text])
-            run.to_wandb(lambda wandb: wandb.log({'samples': wandb.Table(columns=['iter', 'layout', 'text'],
-                                                                         data=samples)}, step=iter_num))
+            if new:
+                run.to_wandb(lambda wandb: wandb.log({'samples': wandb.Table(columns=['iter', 'layout', 'text'],
+                                                                             data=samples)}, step=iter_num))
         run.log({'iter': iter_num, 'train/loss': losses['train'], 'val/loss': losses['val'], 'lr': lr,
-                 'cache_bytes_per_token': cache_bytes_per_token})
+                 'cache_bytes_per_token': cache_bytes_per_token}, to_wandb=new)
+        if run.wandb and new:
+            wandb_state['evals'] = iter_num
         if not (math.isfinite(losses['train']) and math.isfinite(losses['val'])):  # never saved, whatever the flags
             fail(f"the evaluation at iteration {iter_num} gave a non-finite loss (train {losses['train']}, val "
                  f"{losses['val']}); stopped, {kept(out_dir)} (try a lower learning_rate)")
@@ -446,7 +460,7 @@ if ddp:  # every rank must end with the same weights
     sys.stdout.flush()  # then the line in one write: the ranks share one stdout
     print(f"rank {ddp_rank}: weights sha256 {digest.hexdigest()[:16]}", flush=True)
     dist.destroy_process_group()
-run.finish_wandb(wandb_log_checkpoint, wandb_id, best_val_loss)
+run.finish_wandb(wandb_log_checkpoint, wandb_state.get('id'), best_val_loss)
 if run.writes and not stop:  # the closing line: the best evaluation logged, where the weights are, how to sample them
     best = min((r for r in run.rows() if r.get('val/loss') is not None), key=lambda r: r['val/loss'], default=None)
     held = run.ckpt if os.path.isfile(run.ckpt) else run.last

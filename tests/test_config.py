@@ -15,6 +15,12 @@ BAD = [
     (dict(attn='deltanet+'), r"attn.*hybrid"), (dict(attn=3), r"attn=3 is invalid"),
     (dict(attn='mha*99999999999'), r"attn.*hybrid"), (dict(attn='mha*\u00b2'), r"attn.*hybrid"),  # refused unbuilt
     (dict(attn='mha*\uff13'), r"attn.*hybrid"),  # a full-width 3: ASCII digits only
+    (dict(attn='linear*0000009999999999'), r"attn.*hybrid"),  # leading zeros do not hide a count past a million
+    (dict(attn='gated_deltanet', conv_size=300), r"conv_size=300 is invalid: must be <= block_size=256"),  # never reads
+    (dict(attn='mha', conv_size=8), r"conv_size=8 is invalid: only the linear layouts but 'linear' have the short conv"),
+    (dict(attn='linear*2+gqa', conv_size=2), r"conv_size=2 is invalid: only .*; attn='linear\*2\+gqa' has none"),
+    (dict(attn='gated_deltanet', n_layer=2, n_head=4, n_embd=64, block_size=4000, conv_size=3000, match_mha_params=True),
+     r"match_mha_params.*MLP would need -\d+ units: .*\(lower conv_size, or turn it off\)"),  # what makes it heavy
     (dict(attn='deltanet+gqa+mla'), r"mixes softmax layouts"),
     (dict(attn='mamba2+gqa', n_kv_head=4), r"n_kv_head.*n_head=6 allows \[2, 3\]"),  # the hybrid's GQA rule
     (dict(attn='deltanet', n_kv_head=2), r"n_kv_head.*allows \[6\] \(or 0, its default\)$"),  # a field it does not use

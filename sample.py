@@ -65,9 +65,10 @@ try:
 except FileError as e:  # truncated, corrupted or foreign files all land here
     fail(str(e))
 val = ckpt.get('val_loss') if isinstance(ckpt.get('val_loss'), float) else None  # last.pt's were not evaluated
-age = duration(time.time() - os.path.getmtime(ckpt_path))
-print(f"sampling {ckpt_path}: {cfg.attn}, trained on {trained_on(ckpt)}, iteration {ckpt.get('iter_num')}"
-      + (f", val loss {val:.4f}" if val is not None else "") + f", saved {age} ago", file=sys.stderr)
+if found or ckpt_path.endswith('last.pt'):  # picked for the user: say what it is
+    age = duration(time.time() - os.path.getmtime(ckpt_path))
+    print(f"sampling {ckpt_path}: {cfg.attn}, trained on {trained_on(ckpt)}, iteration {ckpt.get('iter_num')}"
+          + (f", val loss {val:.4f}" if val is not None else "") + f", saved {age} ago", file=sys.stderr)
 if found:  # picked for the user: say so if ./out*/ also holds runs on other data
     others = {}
     for path in (p for d in sorted(glob.glob('out*/')) for p in checkpoints(d)[:1] if p != ckpt_path):

@@ -375,10 +375,10 @@ while True:
         print(f"step {iter_num}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f} "
               f"(evaluated in {duration(eval_seconds)})")
         new = iter_num > wandb_state.get('evals', -1)  # not sent to W&B already, by the run this one resumes
-        if (sample_every_eval or run.wandb) and decode:  # sampled as sample.py does, seeded by the iteration
+        if (sample_every_eval or run.wandb) and decode:  # as `sample.py --seed=<seed + iteration>` samples the weights
             raw_model.eval()
             with ctx, torch.random.fork_rng(devices=[device] if device_type == 'cuda' else []):
-                torch.manual_seed(draw(iter_num, -1).initial_seed())  # a resumed run logs the same text
+                torch.manual_seed(seed + iter_num)  # a resumed run logs the same text
                 text = decode(raw_model.generate(prompt, 200, temperature=0.8, top_k=200)[0, prompt.size(1):].tolist())
             raw_model.train()
             if sample_every_eval:

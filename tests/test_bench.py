@@ -192,10 +192,10 @@ def test_bad_arguments_are_one_line(tmp_path, capsys, monkeypatch):
     (tmp_path / 't' / 'train' / 'mha').mkdir(parents=True)
     (tmp_path / 't' / 'train' / 'mha' / 'ckpt.pt').write_text('an earlier run')
     (tmp_path / 't' / 'train' / 'mha' / 'metrics.jsonl').write_text('{"iter": 0}\n')  # bench.py wrote it
-    with pytest.raises(SystemExit) as e:  # a value train.py refuses: its line, after bench's progress line, exit 2
+    with pytest.raises(SystemExit) as e:  # a model the extras break: one line before any run, exit 2
         bench_module.main(['train', '--layouts=mha', f'--out={tmp_path / "t"}', '--', '--n_layer=0'])
     err = capsys.readouterr().err.strip().splitlines()
-    assert e.value.code == 2 and re.fullmatch(r"error: train.py failed in .*: GPTConfig.n_layer=0 is invalid.*", err[-1])
+    assert e.value.code == 2 and re.fullmatch(r"error: layout mha with --n_layer=0: GPTConfig.n_layer=0 is invalid.*", err[-1])
     assert (tmp_path / 't' / 'train' / 'mha' / 'ckpt.pt').read_text() == 'an earlier run'  # not lost to the failed run
     if os.path.isdir('/proc/self'):  # a folder no one can write in, root included (os.access says yes to root)
         with pytest.raises(SystemExit) as e:

@@ -128,3 +128,15 @@ def test_bench_keeps_its_earlier_run_when_train_py_ran_none(tmp_path):
     assert (earlier / 'metrics.jsonl').read_text() == '{"iter": 0}\n'  # (bench.py's progress lines go to stderr too)
     r = run('bench.py', 'decode', '--layouts=mha', '--dtype=float16', f'--out={tmp_path}')
     assert "--dtype=float16 on CPU" in one_line(r)
+
+
+def test_linear_layouts_hostile_pass(tmp_path):
+    """The hostile pass on the linear layouts (#23): data/mqar is bench.py's recall data, not a training text (its
+    prepare.py takes other arguments: a traceback); bench.py builds every layout's model with the extras before
+    the first run (a hybrid that does not fit --n_layer failed after the other layouts had trained)."""
+    r = run('train.py', *TINY, '--dataset=mqar', f'--out_dir={tmp_path / "out"}')
+    assert "dataset='mqar' is unknown: give one of ['shakespeare', 'shakespeare_char']" in one_line(r)
+    r = run('bench.py', 'train', '--max_iters=2', '--layouts=gated_deltanet,hybrid', f'--out={tmp_path / "bench"}', '--',
+            '--n_layer=2')
+    assert "layout hybrid with --n_layer=2: GPTConfig.attn='gated_deltanet*3+gqa' is invalid: has 4 layers" in one_line(r)
+    assert not (tmp_path / 'bench' / 'train').exists() and not (tmp_path / 'out').exists()  # no run started

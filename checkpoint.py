@@ -399,8 +399,8 @@ class Run:
         self.wandb = wandb  # on: to_wandb calls go through
         self.wandb_dir, self.wandb_mode, self.wandb_name = os.path.dirname(run.dir), mode, name
         folder = os.path.relpath(self.wandb_dir)
-        print(f"W&B run {name} ({mode}) in {folder}" + (f"; upload it later with: wandb sync {folder}"
-                                                        if mode == 'offline' else ''))
+        print(f"W&B run {name} ({mode}) in {folder}" + (f"; upload it later with: wandb sync {folder}" + (
+            " (after the folders of the runs it resumes)" if self.resume else '') if mode == 'offline' else ''))
 
     def to_wandb(self, call):
         """call(wandb) with W&B on; one that fails (network, disk, permissions) stops W&B logging with one warning."""

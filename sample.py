@@ -157,6 +157,8 @@ if not compare:
         run(use_cache, stream=True)
         print()
     else:
+        print(f"generating {num_samples} samples of {max_new_tokens} tokens (printed when all are done)", file=sys.stderr,
+              flush=True)
         out, _, _ = run(use_cache)
         for row in out.tolist():
             print(start + decode(row))

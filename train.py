@@ -209,7 +209,7 @@ def get_batch(split, generator):
 
 
 # model: from scratch, resumed (from the later of ckpt.pt and last.pt), or converted from an MHA checkpoint
-iter_num, best_val_loss, wandb_state = 0, 1e9, {}  # wandb_state: the W&B run's id, name, config, samples, evals sent
+iter_num, best_val_loss, wandb_state = 0, 1e9, {}  # wandb_state: the W&B run's id, name, config, samples, last step sent
 asked = gptconf = GPTConfig(vocab_size=meta['vocab_size'], **{k: config[k] for k in model_keys})  # the flags' model
 if init_from == 'resume':
     resume_path, checkpoint = resume_state(out_dir, device, meta, asked, data_dir)
@@ -318,7 +318,8 @@ def get_lr(it):
 def save(path, val_loss=None):  # val_loss: of these weights (None: not evaluated); best_val_loss: of ckpt.pt's
     run.save(path, {'model': raw_model.state_dict(), 'optimizer': optimizer.state_dict(), 'model_args': asdict(gptconf),
                     'iter_num': iter_num, 'val_loss': val_loss, 'best_val_loss': best_val_loss, 'config': config,
-                    'meta': meta, 'wandb': wandb_state, 'wandb_id': wandb_state.get('id')}, iter_num)
+                    'meta': meta, 'wandb': {**wandb_state, 'step': iter_num if run.wandb else sent},  # W&B's last step
+                    'wandb_id': wandb_state.get('id')}, iter_num)
 
 
 def resume_command():
@@ -330,6 +331,7 @@ def resume_command():
 
 
 samples = [row for row in wandb_state.get('samples', []) if row[0] < iter_num]  # the table's rows (iter, layout, text)
+sent = wandb_state.get('step', -1) if init_from == 'resume' else -1  # the last W&B step the resumed run sent: not again
 wandb_state['samples'] = samples
 if wandb_log and run.writes:
     origin = f"-from-{os.path.basename(os.path.normpath(init_from))}" if converting else ''
@@ -374,7 +376,6 @@ while True:
     if losses:
         print(f"step {iter_num}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f} "
               f"(evaluated in {duration(eval_seconds)})")
-        new = iter_num > wandb_state.get('evals', -1)  # not sent to W&B already, by the run this one resumes
         if (sample_every_eval or run.wandb) and decode:  # as `sample.py --seed=<seed + iteration>` samples the weights
             raw_model.eval()
             with ctx, torch.random.fork_rng(devices=[device] if device_type == 'cuda' else []):
@@ -384,13 +385,11 @@ while True:
             if sample_every_eval:
                 print(f"sample:\n{text}\n---")
             samples.append([iter_num, attn, text])
-            if new:
+            if iter_num > sent:
                 run.to_wandb(lambda wandb: wandb.log({'samples': wandb.Table(columns=['iter', 'layout', 'text'],
                                                                              data=samples)}, step=iter_num))
         run.log({'iter': iter_num, 'train/loss': losses['train'], 'val/loss': losses['val'], 'lr': lr,
-                 'cache_bytes_per_token': cache_bytes_per_token}, to_wandb=new)
-        if run.wandb and new:
-            wandb_state['evals'] = iter_num
+                 'cache_bytes_per_token': cache_bytes_per_token}, to_wandb=iter_num > sent)
         if not (math.isfinite(losses['train']) and math.isfinite(losses['val'])):  # never saved, whatever the flags
             fail(f"the evaluation at iteration {iter_num} gave a non-finite loss (train {losses['train']}, val "
                  f"{losses['val']}); stopped, {kept(out_dir)} (try a lower learning_rate)")
@@ -451,7 +450,7 @@ while True:
         print(f"iter {iter_num}/{max_iters}: loss {lossf:.4f}, time {dt * 1000:.2f}ms, {tokens_per_iter / dt:,.0f} tok/s" +
               (f", mfu {running_mfu * 100:.2f}%" if measured else "") + (f", ETA {duration(eta)}" if step_time else ""))
         run.log({'iter': iter_num, 'train/batch_loss': lossf, 'lr': lr, 'ms_per_iter': dt * 1000,
-                 'tokens_per_sec': tokens_per_iter / dt, **measured})
+                 'tokens_per_sec': tokens_per_iter / dt, **measured}, to_wandb=iter_num > sent)
     iter_num += 1
     local_iter_num += 1
 

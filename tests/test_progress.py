@@ -80,19 +80,23 @@ def test_a_resumed_wandb_run_is_one_run(tmp_path, char_data):
     out = tmp_path / 'out'
     train(out, char_data, '--attn=gqa', '--max_iters=4', '--eval_interval=2', '--wandb_log=True', env=env)
     time.sleep(1.1)  # a new run name would differ by its time
-    train(out, char_data, '--attn=gqa', '--max_iters=6', '--eval_interval=2', '--wandb_log=True', '--init_from=resume',
-          env=env)
-    first, second = [wandb_records(tmp_path / 'wandb' / d, '--summary')[0] for d in
-                     sorted(d for d in os.listdir(tmp_path / 'wandb') if d.startswith('offline-run-'))]
-    assert first['name'] == second['name'] and first['name'].startswith('gqa-')
-    config = second['config']
-    assert {k: v for k, v in config.items() if k != 'resumed_at_4'} == first['config']
-    assert config['resumed_at_4'] == {'max_iters': 6} and config['init_from'] == 'scratch'
+    for more in (6, 8):  # resumed twice
+        train(out, char_data, '--attn=gqa', f'--max_iters={more}', '--eval_interval=2', '--wandb_log=True',
+              '--init_from=resume', env=env)
+    folders = sorted(d for d in os.listdir(tmp_path / 'wandb') if d.startswith('offline-run-'))
+    first, second, third = [wandb_records(tmp_path / 'wandb' / d, '--summary')[0] for d in folders]
+    assert first['name'] == second['name'] == third['name'] and first['name'].startswith('gqa-')
+    config = third['config']
+    assert {k: v for k, v in config.items() if not k.startswith('resumed_at_')} == first['config']
+    assert config['resumed_at_4'] == {'max_iters': 6} and config['resumed_at_6'] == {'max_iters': 8}
+    assert config['init_from'] == 'scratch'
     assert config['model']['n_kv_head'] == 2 and 'n_kv_head' not in config  # resolved, once
     assert not {'kv_lora_rank', 'rope_head_dim', 'q_lora_rank', 'conv_size', 'chunk_size'} & set(config['model'])
     steps = [[row['history']['item'] for row in wandb_records(tmp_path / 'wandb' / d) if row.get('type') == 'history']
-             for d in sorted(d for d in os.listdir(tmp_path / 'wandb') if d.startswith('offline-run-'))]
+             for d in folders]
     evals = [h['iter'] for run in steps for h in run if 'val/loss' in h]
-    assert evals == [0, 2, 4, 6]  # iteration 4, evaluated again by the resume, is sent once
+    assert evals == [0, 2, 4, 6, 8]  # iterations 4 and 6, evaluated again by the resumes, are sent once
+    sent = [sorted({h['iter'] for h in run}) for run in steps]
+    assert sent[0][-1] < sent[1][0] and sent[1][-1] < sent[2][0], sent  # no step in two folders: W&B drops them
     tables = [h['samples.nrows'] for run in steps for h in run if 'samples.nrows' in h]
-    assert tables == [1, 2, 3, 4]  # the resumed table keeps the first run's rows
+    assert tables == [1, 2, 3, 4, 5]  # the resumed table keeps the earlier rows

@@ -80,7 +80,7 @@ class GPTConfig:
                 self.bad(field, f"only attn='mla' uses it; attn={self.attn!r} has no MLA layer")  # hold the defaults)
             setattr(self, field, (getattr(self, field) or default) if softmax == 'mla' else 0)
         convs = any(a in LINEAR_RULES and a != 'linear' for a in self.pattern())
-        if convs and self.conv_size > max(self.block_size, GPTConfig.conv_size) or not convs and self.conv_size != GPTConfig.conv_size:
+        if (self.conv_size > max(self.block_size, GPTConfig.conv_size)) if convs else self.conv_size != GPTConfig.conv_size:
             self.bad('conv_size', f"must be <= block_size={self.block_size} (taps further back never see a token)" if convs
                      else f"only the linear layouts but 'linear' have the short conv; attn={self.attn!r} has none")
         if softmax == 'mla' and self.rope_head_dim % 2:

@@ -98,7 +98,7 @@ except Exception as e:  # weights of another shape, a broken vocabulary
     fail(f"cannot load checkpoint {ckpt_path}: {describe(e)}")
 ckpt = None
 model.eval().to(device=device, dtype=ptdtype)
-compiled = {True: False, False: False}  # with and without the cache: each way compiles its own shapes
+compiled = set()  # the ways (with, without the cache) compiled so far: each compiles its own shapes
 if compile:  # in place: stream() calls self(...), which a torch.compile(model) wrapper would not reach; on CUDA
     model.compile(mode='reduce-overhead' if 'cuda' in device else None)  # each decode step one CUDA graph replay
     print("compiling the model (torch.compile): the first token waits for it, minutes on a CPU", file=sys.stderr)
@@ -138,9 +138,9 @@ def run(cached, stream=False, max_new_tokens=max_new_tokens):
     with torch.no_grad():
         new = []
         for tok in model.stream(x.expand(num_samples, -1), max_new_tokens, use_cache=cached, cache=cache, **options):
-            if compile and not compiled[cached]:  # the first token waited for the compilation
-                compiled[cached] = print(f"compiled: the first token took {duration(time.perf_counter() - t0)}",
-                                         file=sys.stderr) or True
+            if compile and cached not in compiled:  # the first token waited for the compilation
+                compiled.add(cached)
+                print(f"compiled: the first token took {duration(time.perf_counter() - t0)}", file=sys.stderr)
             new.append(tok)
             if stream:
                 print(decode(tok[0].tolist()), end='', flush=True)

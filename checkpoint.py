@@ -23,14 +23,13 @@ import atexit
 import errno
 import json
 import math
-import netrc
 import os
 import re
 import shutil
 import signal
 import stat
 import sys
-from contextlib import contextmanager, redirect_stderr, redirect_stdout
+from contextlib import contextmanager
 from dataclasses import fields, replace
 
 from configurator import describe, fail
@@ -243,7 +242,7 @@ class Run:
     def __init__(self, out_dir, resume, writes=True):
         self.out_dir, self.resume, self.writes, self.pending, self.wandb = out_dir, resume, writes, [], None
         self.ckpt, self.last, self.metrics = (os.path.join(out_dir, n) for n in ('ckpt.pt', 'last.pt', 'metrics.jsonl'))
-        self.made, self.wandb_dir = [], None  # what a run that stops before its first write removes again
+        self.made = []  # what a run that stops before its first write removes again
         if not writes:
             return
         try:
@@ -270,30 +269,14 @@ class Run:
         W&B folder); returns what is left, in words."""
         if self.pending is None or not self.writes:
             return "nothing was written"
-        left = []
-        if self.wandb_dir:
-            try:
-                with open(os.devnull, 'w') as null, redirect_stdout(null), redirect_stderr(null):  # its "sync it" lines
-                    self.wandb.finish(exit_code=130)
-            except Exception:
-                pass
-            if self.wandb_mode == 'offline':  # the folder, and W&B's links to it (latest-run, debug.log)
-                shutil.rmtree(self.wandb_dir, ignore_errors=True)
-                parent = os.path.dirname(self.wandb_dir)
-                for link in (os.path.join(parent, f) for f in os.listdir(parent)):
-                    if os.path.islink(link) and not os.path.exists(link):
-                        os.remove(link)
-                if not os.listdir(parent):
-                    os.rmdir(parent)
-            else:
-                left.append(f"the W&B run {self.wandb_name} was started {self.wandb_mode}")
+        left = self.wandb.discard() if self.wandb else ''  # (.wandb: train.py's WandB, once it is made)
         for path in reversed(self.made):
             try:
                 os.remove(path) if path.endswith('train.lock') else os.rmdir(path)  # (rmdir: only if still empty)
             except OSError:
                 pass
         self.writes = False  # once: every method a no-op from here on
-        return "nothing was written" + ''.join(f" but {w}" for w in left)
+        return "nothing was written" + (f" but {left}" if left else '')
 
     def first_write(self, iter_num):
         """The run's first write (later calls: nothing): only now may an earlier run's files change. Killed runs' temp
@@ -323,9 +306,8 @@ class Run:
         with open(self.metrics, errors='replace') as f:
             return [row for line in f if line.endswith('\n') and (row := loads(line)) and isinstance(row.get('iter'), int)]
 
-    def log(self, row, to_wandb=True):
-        """One row to metrics.jsonl (and W&B's, unless the run resumed sent it): a failed write (disk full) stops the
-        run with the log's rows whole."""
+    def log(self, row):
+        """One row to metrics.jsonl (and W&B): a failed write (disk full) stops the run with the log's rows whole."""
         if not self.writes:
             return
         line = json.dumps({k: v if not isinstance(v, float) or math.isfinite(v) else None for k, v in row.items()})
@@ -343,9 +325,8 @@ class Run:
                 except OSError:
                     pass
                 self.fail(f"cannot write {self.metrics}: {why(e, self.metrics)}", "the log's last row whole")
-        if to_wandb:
-            self.to_wandb(lambda wandb: wandb.log({k: v for k, v in row.items() if k != 'cache_bytes_per_token'},
-                                                  step=row['iter']))
+        if self.wandb:
+            self.wandb.log(row)
 
     def save(self, path, state, iter_num):
         """A checkpoint, flushed to disk and renamed into place; weights that are not finite are never saved."""
@@ -377,52 +358,6 @@ class Run:
     def fail(self, reason, *also):
         fail(f"{reason}; stopped, {', '.join([kept(self.out_dir), *also])}")
 
-    def start_wandb(self, project, name, run_id, config, summary, mode):
-        """Weights & Biases, offline without credentials. A problem at start is one line before training; a call that
-        fails later (to_wandb) is one warning, and W&B logging stops while training and checkpoints go on."""
-        mode = mode or os.environ.get('WANDB_MODE') or ('online' if wandb_credentials() else 'offline')
-        if mode not in ('online', 'offline', 'disabled'):
-            fail(f"wandb_mode={mode!r} should be online, offline or disabled")
-        if mode == 'online' and not wandb_credentials():
-            fail("wandb_mode=online needs W&B credentials (`wandb login`, or WANDB_API_KEY); or log offline with "
-                 "--wandb_mode=offline and `wandb sync` later")
-        os.environ['WANDB_MODE'] = mode  # decided before init: wandb must never prompt or wait for a network
-        try:
-            import wandb
-        except ImportError as e:
-            fail(f"wandb_log=True needs wandb ({describe(e)}): pip install -r requirements.txt, or --wandb_log=False")
-        try:
-            run = wandb.init(project=project, name=name, id=run_id, resume='allow', mode=mode, config=config)
-            run.summary.update(summary)
-        except Exception as e:
-            fail(f"W&B could not start ({describe(e)}); train without it (--wandb_log=False) or --wandb_mode=offline")
-        self.wandb = wandb  # on: to_wandb calls go through
-        self.wandb_dir, self.wandb_mode, self.wandb_name = os.path.dirname(run.dir), mode, name
-        folder = os.path.relpath(self.wandb_dir)
-        print(f"W&B run {name} ({mode}) in {folder}" + (f"; upload it later with: wandb sync {folder}" + (
-            " (after the folders of the runs it resumes)" if self.resume else '') if mode == 'offline' else ''))
-
-    def to_wandb(self, call):
-        """call(wandb) with W&B on; one that fails (network, disk, permissions) stops W&B logging with one warning."""
-        if self.wandb is None:
-            return
-        try:
-            call(self.wandb)
-        except Exception as e:
-            self.wandb = None
-            print(f"warning: W&B logging stopped ({describe(e)}); training goes on, metrics.jsonl has every row",
-                  file=sys.stderr)
-
-    def finish_wandb(self, upload, run_id, best_val_loss):
-        """upload: ckpt.pt, the best weights, as a W&B artifact first."""
-        def artifact(wandb):
-            art = wandb.Artifact(f"{run_id}-ckpt", type='model', metadata={'best_val_loss': best_val_loss})
-            art.add_file(self.ckpt)
-            wandb.log_artifact(art)
-        if upload and os.path.isfile(self.ckpt):
-            self.to_wandb(artifact)
-        self.to_wandb(lambda wandb: wandb.finish())
-
 
 def appending(path):
     """path opened to append, never blocking (a FIFO put there) nor through a link: only a regular file, else OSError."""
@@ -439,13 +374,3 @@ def loads(line):
         return row if isinstance(row, dict) else None
     except ValueError:
         return None
-
-
-def wandb_credentials():
-    """An API key in the environment or from `wandb login` (~/.netrc); without one W&B would prompt."""
-    if os.environ.get('WANDB_API_KEY'):
-        return True
-    try:
-        return netrc.netrc().authenticators('api.wandb.ai') is not None
-    except (OSError, netrc.NetrcParseError):
-        return False

@@ -34,6 +34,7 @@ from configurator import (check_device, check_memory, configure, describe, durat
 from convert import conversion, pool_kv_heads
 from data.common import PrepareError, prepare_with, read_data, tokenizer
 from model import GPT, GPTConfig, mlp_hidden
+from wandb_run import WandB
 
 # -----------------------------------------------------------------------------
 # defaults: nanoGPT's baby GPT on shakespeare_char
@@ -209,13 +210,13 @@ def get_batch(split, generator):
 
 
 # model: from scratch, resumed (from the later of ckpt.pt and last.pt), or converted from an MHA checkpoint
-iter_num, best_val_loss, wandb_state = 0, 1e9, {}  # wandb_state: the W&B run's id, name, config, samples, last step sent
+iter_num, best_val_loss, wandb_state = 0, 1e9, {}  # the W&B run's id, name, config, samples, last step sent
 asked = gptconf = GPTConfig(vocab_size=meta['vocab_size'], **{k: config[k] for k in model_keys})  # the flags' model
 if init_from == 'resume':
     resume_path, checkpoint = resume_state(out_dir, device, meta, asked, data_dir)
     iter_num, best_val_loss = checkpoint['iter_num'], checkpoint['best_val_loss']
     wandb_state = checkpoint.get('wandb') if isinstance(checkpoint.get('wandb'), dict) else {  # a resume continues
-        'id': checkpoint.get('wandb_id')}  # its W&B run (as one: same name, config, samples; no step sent twice)
+        'id': checkpoint.get('wandb_id')}  # its W&B run, as one (wandb_run.py)
     if iter_num > max_iters and not eval_only:
         fail(f"{resume_path} is at iteration {iter_num}, past max_iters={max_iters}: nothing to train "
              f"(raise max_iters to continue, or --eval_only=True to evaluate it)")
@@ -318,8 +319,7 @@ def get_lr(it):
 def save(path, val_loss=None):  # val_loss: of these weights (None: not evaluated); best_val_loss: of ckpt.pt's
     run.save(path, {'model': raw_model.state_dict(), 'optimizer': optimizer.state_dict(), 'model_args': asdict(gptconf),
                     'iter_num': iter_num, 'val_loss': val_loss, 'best_val_loss': best_val_loss, 'config': config,
-                    'meta': meta, 'wandb': {**wandb_state, 'step': iter_num if run.wandb else sent},  # W&B's last step
-                    'wandb_id': wandb_state.get('id')}, iter_num)
+                    'meta': meta, 'wandb': wandb.saved(iter_num), 'wandb_id': wandb.state.get('id')}, iter_num)
 
 
 def resume_command():
@@ -330,23 +330,16 @@ def resume_command():
     return shlex.join(launcher + [sys.argv[0]] + args + model_flags(gptconf, asked))
 
 
-samples = [row for row in wandb_state.get('samples', []) if row[0] < iter_num]  # the table's rows (iter, layout, text)
-sent = wandb_state.get('step', -1) if init_from == 'resume' else -1  # the last W&B step the resumed run sent: not again
-wandb_state['samples'] = samples
+run.wandb = wandb = WandB(wandb_state, iter_num)
 if wandb_log and run.writes:
     origin = f"-from-{os.path.basename(os.path.normpath(init_from))}" if converting else ''
-    name = wandb_run_name or f"{attn}{origin}-{time.strftime('%Y%m%d-%H%M%S')}"
-    name = wandb_state['name'] if wandb_state.get('name') and 'wandb_run_name' not in given else name  # a resume: same
-    wandb_state.update(name=name if attn in name else f"{attn}-{name}", id=wandb_state.get('id') or os.urandom(4).hex())
-    now = {**{k: v for k, v in config.items() if k not in model_keys or k == 'attn'},  # the model: only what it uses,
-           'model': {k: getattr(gptconf, k) for k in used_fields(gptconf)}, 'mlp_hidden': mlp_hidden(gptconf),  # resolved
-           'params': raw_model.get_num_params(), 'tokens_per_iter': tokens_per_iter}
-    first = wandb_state.get('config') or now  # a resume keeps the run's config, and adds what it changed
-    wandb_state['config'] = first if init_from != 'resume' else {**first, f'resumed_at_{iter_num}': {
-        k: v for k, v in now.items() if first.get(k) != v and k != 'init_from'}}
+    name = wandb_run_name or wandb_state.get('name') or f"{attn}{origin}-{time.strftime('%Y%m%d-%H%M%S')}"
+    settings = {**{k: v for k, v in config.items() if k not in model_keys or k == 'attn'},  # the model: what it uses,
+                'model': {k: getattr(gptconf, k) for k in used_fields(gptconf)}, 'mlp_hidden': mlp_hidden(gptconf),  # resolved
+                'params': raw_model.get_num_params(), 'tokens_per_iter': tokens_per_iter}
     with interrupts.deferred():  # W&B writes files
-        run.start_wandb(wandb_project, wandb_state['name'], wandb_state['id'], wandb_state['config'],
-                        {'params': raw_model.get_num_params(), 'cache_bytes_per_token': cache_bytes_per_token}, wandb_mode)
+        wandb.start(wandb_project, name, settings, {'params': raw_model.get_num_params(), 'cache_bytes_per_token':
+                    cache_bytes_per_token}, wandb_mode, resumed_at=iter_num if init_from == 'resume' else None)
 
 interrupts.at_once = False  # from here on an interrupt is a flag, checked at every iteration
 if interrupts.requested(device):  # (one during W&B's init, on any rank)
@@ -376,7 +369,7 @@ while True:
     if losses:
         print(f"step {iter_num}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f} "
               f"(evaluated in {duration(eval_seconds)})")
-        if (sample_every_eval or run.wandb) and decode:  # as `sample.py --seed=<seed + iteration>` samples the weights
+        if (sample_every_eval or wandb.api) and decode:  # as `sample.py --seed=<seed + iteration>` samples the weights
             raw_model.eval()
             with ctx, torch.random.fork_rng(devices=[device] if device_type == 'cuda' else []):
                 torch.manual_seed(seed + iter_num)  # a resumed run logs the same text
@@ -384,18 +377,15 @@ while True:
             raw_model.train()
             if sample_every_eval:
                 print(f"sample:\n{text}\n---")
-            samples.append([iter_num, attn, text])
-            if iter_num > sent:
-                run.to_wandb(lambda wandb: wandb.log({'samples': wandb.Table(columns=['iter', 'layout', 'text'],
-                                                                             data=samples)}, step=iter_num))
+            wandb.sample(iter_num, attn, text)
         run.log({'iter': iter_num, 'train/loss': losses['train'], 'val/loss': losses['val'], 'lr': lr,
-                 'cache_bytes_per_token': cache_bytes_per_token}, to_wandb=iter_num > sent)
+                 'cache_bytes_per_token': cache_bytes_per_token})
         if not (math.isfinite(losses['train']) and math.isfinite(losses['val'])):  # never saved, whatever the flags
             fail(f"the evaluation at iteration {iter_num} gave a non-finite loss (train {losses['train']}, val "
                  f"{losses['val']}); stopped, {kept(out_dir)} (try a lower learning_rate)")
         if (losses['val'] < best_val_loss or always_save_checkpoint) and not eval_only:
             best_val_loss = min(best_val_loss, losses['val'])
-            run.to_wandb(lambda wandb: wandb.run.summary.update({'best_val_loss': best_val_loss}))
+            wandb.call(lambda api: api.run.summary.update({'best_val_loss': best_val_loss}))
             if ckpt_stale:
                 save(run.ckpt, losses['val'])
                 ckpt_stale = False
@@ -450,7 +440,7 @@ while True:
         print(f"iter {iter_num}/{max_iters}: loss {lossf:.4f}, time {dt * 1000:.2f}ms, {tokens_per_iter / dt:,.0f} tok/s" +
               (f", mfu {running_mfu * 100:.2f}%" if measured else "") + (f", ETA {duration(eta)}" if step_time else ""))
         run.log({'iter': iter_num, 'train/batch_loss': lossf, 'lr': lr, 'ms_per_iter': dt * 1000,
-                 'tokens_per_sec': tokens_per_iter / dt, **measured}, to_wandb=iter_num > sent)
+                 'tokens_per_sec': tokens_per_iter / dt, **measured})
     iter_num += 1
     local_iter_num += 1
 
@@ -459,7 +449,7 @@ if ddp:  # every rank must end with the same weights
     sys.stdout.flush()  # then the line in one write: the ranks share one stdout
     print(f"rank {ddp_rank}: weights sha256 {digest.hexdigest()[:16]}", flush=True)
     dist.destroy_process_group()
-run.finish_wandb(wandb_log_checkpoint, wandb_state.get('id'), best_val_loss)
+wandb.finish(best_val_loss, upload=wandb_log_checkpoint and run.ckpt)
 if run.writes and not stop:  # the closing line: the best evaluation logged, where the weights are, how to sample them
     best = min((r for r in run.rows() if r.get('val/loss') is not None), key=lambda r: r['val/loss'], default=None)
     held = run.ckpt if os.path.isfile(run.ckpt) else run.last

@@ -1,0 +1,123 @@
+"""
+train.py's Weights & Biases run, which never stands in training's way: offline without credentials; a problem at
+the start is one line before training, a call that fails later one warning, and W&B logging stops while training
+and checkpoints go on. A resume continues the same W&B run, as one: same id and name, the first config kept (with
+what the resume changed added), the samples table's rows, and no step sent twice (W&B drops a step below a run's
+last). That state lives in the checkpoint, under 'wandb'.
+"""
+import netrc
+import os
+import shutil
+import sys
+from contextlib import redirect_stderr, redirect_stdout
+
+from configurator import describe, fail
+
+
+class WandB:
+    """state: a checkpoint's 'wandb' dict (id, name, config, samples, step: the last step sent), {} for a new run.
+    Every method is a no-op until start()."""
+
+    def __init__(self, state, iter_num):
+        self.state = {**state, 'samples': [row for row in state.get('samples', []) if row[0] < iter_num]}
+        self.sent = state.get('step', -1)  # the last step the resumed run sent: none of them again
+        self.api, self.folder = None, None  # the wandb module and the run's folder, once started
+
+    def start(self, project, name, config, summary, mode, resumed_at=None):
+        """W&B's run, named name (made to hold config['attn']); a resume's (resumed_at: its iteration) keeps its
+        first config, adding what config changed. mode '' = $WANDB_MODE, else online with credentials, offline
+        without."""
+        state, attn = self.state, config['attn']
+        state.update(name=name if attn in name else f"{attn}-{name}", id=state.get('id') or os.urandom(4).hex())
+        first = state.get('config') or config
+        state['config'] = first if resumed_at is None else {**first, f'resumed_at_{resumed_at}': {
+            k: v for k, v in config.items() if first.get(k) != v and k != 'init_from'}}
+        mode = mode or os.environ.get('WANDB_MODE') or ('online' if credentials() else 'offline')
+        if mode not in ('online', 'offline', 'disabled'):
+            fail(f"wandb_mode={mode!r} should be online, offline or disabled")
+        if mode == 'online' and not credentials():
+            fail("wandb_mode=online needs W&B credentials (`wandb login`, or WANDB_API_KEY); or log offline with "
+                 "--wandb_mode=offline and `wandb sync` later")
+        os.environ['WANDB_MODE'] = mode  # decided before init: wandb must never prompt or wait for a network
+        try:
+            import wandb
+        except ImportError as e:
+            fail(f"wandb_log=True needs wandb ({describe(e)}): pip install -r requirements.txt, or --wandb_log=False")
+        try:
+            run = wandb.init(project=project, name=state['name'], id=state['id'], resume='allow', mode=mode,
+                             config=state['config'])
+            run.summary.update(summary)
+        except Exception as e:
+            fail(f"W&B could not start ({describe(e)}); train without it (--wandb_log=False) or --wandb_mode=offline")
+        self.api, self.folder, self.mode = wandb, os.path.dirname(run.dir), mode
+        folder = os.path.relpath(self.folder)
+        print(f"W&B run {state['name']} ({mode}) in {folder}" + (f"; upload it later with: wandb sync {folder}" + (
+            " (after the folders of the runs it resumes)" if resumed_at is not None else '') if mode == 'offline' else ''))
+
+    def call(self, fn):
+        """fn(wandb) with W&B on; one that fails (network, disk, permissions) stops W&B logging with one warning."""
+        if self.api is None:
+            return
+        try:
+            fn(self.api)
+        except Exception as e:
+            self.api = None
+            print(f"warning: W&B logging stopped ({describe(e)}); training goes on, metrics.jsonl has every row",
+                  file=sys.stderr)
+
+    def log(self, row):
+        if row['iter'] > self.sent:
+            self.call(lambda wandb: wandb.log({k: v for k, v in row.items() if k != 'cache_bytes_per_token'},
+                                              step=row['iter']))
+
+    def sample(self, iter_num, layout, text):
+        """One row more in the samples table (iteration, layout, text), sent whole."""
+        self.state['samples'].append([iter_num, layout, text])
+        if iter_num > self.sent:
+            self.call(lambda wandb: wandb.log({'samples': wandb.Table(columns=['iter', 'layout', 'text'],
+                                                                      data=self.state['samples'])}, step=iter_num))
+
+    def saved(self, iter_num):
+        """The state a checkpoint at iter_num keeps: its step, the last one sent."""
+        return {**self.state, 'step': iter_num if self.api else self.sent}
+
+    def finish(self, best_val_loss, upload=None):
+        """upload: a checkpoint's path (the best weights), as a W&B artifact first."""
+        def artifact(wandb):
+            art = wandb.Artifact(f"{self.state['id']}-ckpt", type='model', metadata={'best_val_loss': best_val_loss})
+            art.add_file(upload)
+            wandb.log_artifact(art)
+        if upload and os.path.isfile(upload):
+            self.call(artifact)
+        self.call(lambda wandb: wandb.finish())
+
+    def discard(self):
+        """A run stopped before its first write: its offline folder (and W&B's links to it) removed; what is left
+        of an online run, in words ('' if nothing)."""
+        if self.folder is None:
+            return ''
+        try:
+            with open(os.devnull, 'w') as null, redirect_stdout(null), redirect_stderr(null):  # its "sync it" lines
+                self.api.finish(exit_code=130)
+        except Exception:
+            pass
+        if self.mode != 'offline':
+            return f"the W&B run {self.state['name']} was started {self.mode}"
+        shutil.rmtree(self.folder, ignore_errors=True)
+        parent = os.path.dirname(self.folder)  # latest-run, debug.log: links to the folder
+        for link in (os.path.join(parent, f) for f in os.listdir(parent)):
+            if os.path.islink(link) and not os.path.exists(link):
+                os.remove(link)
+        if not os.listdir(parent):
+            os.rmdir(parent)
+        return ''
+
+
+def credentials():
+    """An API key in the environment or from `wandb login` (~/.netrc); without one W&B would prompt."""
+    if os.environ.get('WANDB_API_KEY'):
+        return True
+    try:
+        return netrc.netrc().authenticators('api.wandb.ai') is not None
+    except (OSError, netrc.NetrcParseError):
+        return False

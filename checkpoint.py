@@ -17,7 +17,8 @@ bench.py find and read checkpoints here too.
   divergence (a non-finite loss or weight) saves nothing: exit 2, the last good files kept, its row logged.
 - A checkpoint is read safely (weights only: a pickle that runs code is refused) and checked, and its model is
   sized from its config before anything is built.
-torch is imported where it is used: train.py catches interrupts before its slow import.
+W&B's run (its folder, resume as one run): wandb_run.py. torch is imported where it is used: train.py catches
+interrupts before its slow import.
 """
 import atexit
 import errno
@@ -25,6 +26,7 @@ import json
 import math
 import os
 import re
+import shlex
 import shutil
 import signal
 import stat
@@ -354,6 +356,17 @@ class Run:
               f"{self.last if os.path.isfile(self.last) else self.ckpt}"
               f"{', the best weights kept in ' + self.ckpt if os.path.isfile(self.ckpt) else ''}; continue with:\n"
               f"  {resume_command}", file=sys.stderr if getattr(sys.stdout, 'closed_out', False) else sys.stdout)
+
+    def done(self, iter_num, which):
+        """The closing line of a finished run: the best evaluation logged, where the weights are (which: ckpt.pt's,
+        in words), how to sample them."""
+        if not self.writes:
+            return
+        best = min((r for r in self.rows() if r.get('val/loss') is not None), key=lambda r: r['val/loss'], default=None)
+        held = self.ckpt if os.path.isfile(self.ckpt) else self.last
+        print(f"done at iteration {iter_num}" + (f": best val loss {best['val/loss']:.4f} at iteration {best['iter']}"
+              if best else "") + (f"; {which} weights in {held}; sample them with: python sample.py "
+              f"--out_dir={shlex.quote(self.out_dir)}" if os.path.isfile(held) else "; no weights saved"))
 
     def fail(self, reason, *also):
         fail(f"{reason}; stopped, {', '.join([kept(self.out_dir), *also])}")

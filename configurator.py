@@ -70,6 +70,43 @@ def check_device(device, dtype):
         fail(f"device={device!r} but CUDA is not available here; use --device=cpu")
 
 
+def check_train(config, datasets, previous, remake):
+    """train.py's values, before any work: one line and exit 2 for the first that is wrong (the model's fields are
+    GPTConfig's to check). datasets: data/'s folders; previous: out_dir's checkpoints; remake: how to make data_dir."""
+    c = types.SimpleNamespace(**config)
+    converting = c.init_from not in ('scratch', 'resume')  # init_from is an MHA out_dir to convert
+    for ok, message in (
+            (not converting or os.path.isfile(os.path.join(c.init_from, 'ckpt.pt')),
+             f"init_from={c.init_from!r} should be 'scratch', 'resume', or an out_dir with an MHA ckpt.pt to convert"),
+            (not converting or os.path.realpath(c.init_from) != os.path.realpath(c.out_dir),
+             f"out_dir={c.out_dir!r} holds the checkpoint being converted; give the converted model its own out_dir"),
+            *[(ok, f"{key}={getattr(c, key)!r} must be {rule}") for key, ok, rule in (
+                ('batch_size', c.batch_size >= 1, '>= 1'), ('max_iters', c.max_iters >= 0, '>= 0'),
+                ('learning_rate', c.learning_rate > 0, '> 0'),
+                ('min_lr', 0 <= c.min_lr <= c.learning_rate, 'in [0, learning_rate]'),
+                ('eval_interval', c.eval_interval >= 1, '>= 1'), ('eval_iters', c.eval_iters >= 1, '>= 1'),
+                ('log_interval', c.log_interval >= 1, '>= 1'),
+                ('gradient_accumulation_steps', c.gradient_accumulation_steps >= 1, '>= 1'),
+                ('warmup_iters', c.warmup_iters >= 0, '>= 0'), ('lr_decay_iters', c.lr_decay_iters >= 1, '>= 1'),
+                ('weight_decay', c.weight_decay >= 0, '>= 0'), ('grad_clip', c.grad_clip >= 0, '>= 0 (0 = off)'),
+                ('beta1', 0 <= c.beta1 < 1, 'in [0, 1)'), ('beta2', 0 <= c.beta2 < 1, 'in [0, 1)'),
+                ('seed', 0 <= c.seed < 2 ** 62, 'in [0, 2**62)'))],
+            *[(abs(v) < 2 ** 62, f"{k}={v} is out of range (|value| < 2**62)")
+              for k, v in config.items() if type(v) is int],
+            (c.init_from != 'resume' or previous,
+             f"init_from='resume' but there is no checkpoint at {os.path.join(c.out_dir, 'ckpt.pt')}"),
+            (not (c.eval_only and c.init_from == 'scratch' and previous),
+             f"eval_only=True would evaluate a new random model, not {(previous or [''])[0]}: add --init_from=resume"),
+            (re.fullmatch(r'\w+', c.dataset) and c.dataset in datasets,  # (its prepare.py is run: none from elsewhere)
+             f"dataset={c.dataset!r} is unknown: give one of {datasets} (a folder of data/); your own text goes in "
+             "--data_dir"),
+            (not c.data_dir or os.path.exists(os.path.join(c.data_dir, 'train.bin')),  # a typo: not another text
+             f"no train.bin in data_dir={c.data_dir!r}: make one ({remake}), or leave data_dir empty for "
+             f"data/{c.dataset}/")):
+        if not ok:
+            fail(message)
+
+
 def check_memory(need, device, what):
     """One line and exit 2 when a size's lower bound of memory, need bytes, exceeds the device's: past it Linux kills
     the process with no error to catch (a GPU fails deep inside a step)."""

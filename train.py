@@ -16,7 +16,6 @@ interrupts = Interrupts()
 import hashlib
 import math
 import os
-import re
 import shlex
 import sys
 import time
@@ -29,7 +28,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from checkpoint import Run, checkpoints, kept, model_flags, num_params, resume_state, used_fields, weights
-from configurator import (check_device, check_memory, configure, describe, duration, fail, memory_errors_in_one_line,
+from configurator import (check_device, check_memory, check_train, configure, describe, duration, fail, memory_errors_in_one_line,
                           on_closed_output)
 from convert import conversion, pool_kv_heads
 from data.common import PrepareError, prepare_with, read_data, tokenizer
@@ -114,31 +113,7 @@ try:
     GPTConfig(**{k: config[k] for k in model_keys})  # the model's fields: GPTConfig's own table
 except ValueError as e:
     fail(str(e))
-for ok, message in (
-        (not converting or os.path.isfile(os.path.join(init_from, 'ckpt.pt')),
-         f"init_from={init_from!r} should be 'scratch', 'resume', or an out_dir with an MHA ckpt.pt to convert"),
-        (not converting or os.path.realpath(init_from) != os.path.realpath(out_dir),
-         f"out_dir={out_dir!r} holds the checkpoint being converted; give the converted model its own out_dir"),
-        *[(ok, f"{key}={config[key]!r} must be {rule}") for key, ok, rule in (
-            ('batch_size', batch_size >= 1, '>= 1'), ('max_iters', max_iters >= 0, '>= 0'),
-            ('learning_rate', learning_rate > 0, '> 0'), ('min_lr', 0 <= min_lr <= learning_rate, 'in [0, learning_rate]'),
-            ('eval_interval', eval_interval >= 1, '>= 1'), ('eval_iters', eval_iters >= 1, '>= 1'),
-            ('log_interval', log_interval >= 1, '>= 1'), ('gradient_accumulation_steps', gradient_accumulation_steps >= 1,
-            '>= 1'), ('warmup_iters', warmup_iters >= 0, '>= 0'), ('lr_decay_iters', lr_decay_iters >= 1, '>= 1'),
-            ('weight_decay', weight_decay >= 0, '>= 0'), ('grad_clip', grad_clip >= 0, '>= 0 (0 = off)'),
-            ('beta1', 0 <= beta1 < 1, 'in [0, 1)'), ('beta2', 0 <= beta2 < 1, 'in [0, 1)'),
-            ('seed', 0 <= seed < 2 ** 62, 'in [0, 2**62)'))],
-        *[(abs(v) < 2 ** 62, f"{k}={v} is out of range (|value| < 2**62)") for k, v in config.items() if type(v) is int],
-        (init_from != 'resume' or previous,
-         f"init_from='resume' but there is no checkpoint at {os.path.join(out_dir, 'ckpt.pt')}"),
-        (not (eval_only and init_from == 'scratch' and previous),
-         f"eval_only=True would evaluate a new random model, not {(previous or [''])[0]}: add --init_from=resume"),
-        (re.fullmatch(r'\w+', dataset) and dataset in datasets,  # (its prepare.py is run: never one from elsewhere)
-         f"dataset={dataset!r} is unknown: give one of {datasets} (a folder of data/); your own text goes in --data_dir"),
-        (not data_dir or os.path.exists(os.path.join(data_dir, 'train.bin')),  # a typo must not train on another text
-         f"no train.bin in data_dir={data_dir!r}: make one ({remake}), or leave data_dir empty for data/{dataset}/")):
-    if not ok:
-        fail(message)
+check_train(config, datasets, previous, remake)  # train.py's own values: one table
 
 # DDP: one process per device, launched by torchrun
 ddp = int(os.environ.get('RANK', -1)) != -1
@@ -450,12 +425,8 @@ if ddp:  # every rank must end with the same weights
     print(f"rank {ddp_rank}: weights sha256 {digest.hexdigest()[:16]}", flush=True)
     dist.destroy_process_group()
 wandb.finish(best_val_loss, upload=wandb_log_checkpoint and run.ckpt)
-if run.writes and not stop:  # the closing line: the best evaluation logged, where the weights are, how to sample them
-    best = min((r for r in run.rows() if r.get('val/loss') is not None), key=lambda r: r['val/loss'], default=None)
-    held = run.ckpt if os.path.isfile(run.ckpt) else run.last
-    print(f"done at iteration {iter_num}" + (f": best val loss {best['val/loss']:.4f} at iteration {best['iter']}" if best
-          else "") + (f"; {'the latest evaluated' if always_save_checkpoint else 'the best'} weights in {held}; sample "
-          f"them with: python sample.py --out_dir={shlex.quote(out_dir)}" if os.path.isfile(held) else "; no weights saved"))
+if not stop:
+    run.done(iter_num, 'the latest evaluated' if always_save_checkpoint else 'the best')
 # DDP keeps gloo's worker threads alive past destroy_process_group; one that frees a tensor while Python shuts down
 # aborts the run (SIGABRT). All is saved by now, so leave without that shutdown
 if ddp:

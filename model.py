@@ -540,7 +540,7 @@ class GPT(nn.Module):
         """idx (B, L): tokens at positions 0..L-1, or with a cache the L tokens after the len(cache) it holds."""
         B, L = idx.size()
         pos = cache.pos if cache is not None else 0  # a tensor for a static cache: never read on the host
-        if not torch.is_tensor(pos) and pos + L > self.config.block_size:
+        if L == 0 or not torch.is_tensor(pos) and pos + L > self.config.block_size:  # (0: nothing to predict from)
             raise ValueError(f"cannot feed {L} tokens at position {pos}: block_size is {self.config.block_size}")
         positions = torch.arange(L, device=idx.device) + pos  # (L,)
         x = self.transformer.wte(idx)  # (B, L, n_embd)

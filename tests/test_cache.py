@@ -70,6 +70,9 @@ def test_last_position_shortcut_and_block_size_limit(attn):
     model(idx[:, :30], cache=cache)
     with pytest.raises(ValueError, match='block_size'):
         model(idx[:, :3], cache=cache)
+    for cache in (None, model.init_cache(2), model.init_cache(2, static=True)):  # no token: one clear error
+        with pytest.raises(ValueError, match='cannot feed 0 tokens'):
+            model(idx[:, :0], cache=cache)
 
 
 def test_causality_later_tokens_do_not_change_earlier_logits(attn):

@@ -108,7 +108,8 @@ def test_resume_continues_from_the_saved_iteration(tmp_path, char_data):
 
 
 def test_resume_may_change_the_chunk_size(tmp_path, char_data):
-    """chunk_size is how a linear layout computes, not what it learns: a resume may change it (it was refused)."""
+    """chunk_size is how a linear layout computes, not what it learns: a resume may change it (it was refused), and
+    the spelling of the stack ('gated_deltanet*1' is 'gated_deltanet'), not the stack."""
     train(tmp_path, char_data, '--attn=gated_deltanet', '--max_iters=4', '--eval_interval=2', '--chunk_size=4')
     r = train(tmp_path, char_data, '--attn=gated_deltanet', '--max_iters=6', '--eval_interval=2', '--chunk_size=3',
               '--init_from=resume')
@@ -117,6 +118,12 @@ def test_resume_may_change_the_chunk_size(tmp_path, char_data):
                         '--attn=gated_deltanet', '--max_iters=8', '--conv_size=2', '--init_from=resume'],
                        cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert r.returncode != 0 and "is another model (--conv_size=4 in it)" in r.stderr  # the conv's width is a weight
+    r = train(tmp_path, char_data, '--attn=gated_deltanet*1', '--max_iters=8', '--eval_interval=2', '--init_from=resume')
+    assert 'resuming from' in r.stdout and metrics(tmp_path)[-1]['iter'] == 8  # the same stack, spelled otherwise
+    r = subprocess.run([sys.executable, 'train.py', *TINY, f'--out_dir={tmp_path}', f'--data_dir={char_data}',
+                        '--attn=gated_deltanet+mha', '--max_iters=10', '--init_from=resume'],
+                       cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert r.returncode != 0 and "is another model (--attn=gated_deltanet*1 in it)" in r.stderr  # as last saved
 
 
 def wandb_records(run_dir, *flags):

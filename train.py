@@ -46,7 +46,7 @@ eval_only = False               # evaluate once (the resumed checkpoint with --i
 always_save_checkpoint = False  # else only when val loss improves
 init_from = 'scratch'           # 'scratch', 'resume' (out_dir's newest state), or an MHA out_dir to convert
 overwrite = False               # a new run may replace out_dir's checkpoints (else it is refused)
-sample_every_eval = False       # print a short greedy sample at each evaluation (with wandb_log, always: a W&B table)
+sample_every_eval = False       # print a short sample at each evaluation (with wandb_log, always: a W&B table)
 # logging
 wandb_log = False               # log to Weights & Biases too (metrics.jsonl always)
 wandb_project = 'attention-layouts'
@@ -102,12 +102,13 @@ globals().update(config)
 model_keys = [f.name for f in fields(GPTConfig) if f.name != 'vocab_size']
 # -----------------------------------------------------------------------------
 # every value checked before any work: one line and exit 2 for the first that is wrong
-converting = init_from not in ('scratch', 'resume')  # init_from is an MHA out_dir to convert
+resuming, converting = init_from == 'resume', init_from not in ('scratch', 'resume')  # else an MHA out_dir to convert
 previous = checkpoints(out_dir)
 DATA = os.path.join(os.path.dirname(os.path.abspath(__file__)), 'data')
 datasets = sorted(d for d in os.listdir(DATA) if os.path.isfile(os.path.join(DATA, d, 'prepare.py'))
                   and d != 'mqar')  # (mqar: bench.py mqar's synthetic recall sequences, not a text to train on)
 remake = f"python data/{dataset}/prepare.py --input FILE --out_dir {data_dir}" if data_dir else "delete it and run again"
+# (remake: how to make data_dir's files anew, for the messages that find them missing or broken)
 check_device(device, dtype)
 try:
     GPTConfig(**{k: config[k] for k in model_keys})  # the model's fields: GPTConfig's own table
@@ -133,9 +134,8 @@ if ddp:
     gradient_accumulation_steps //= ddp_world_size
 else:
     ddp_rank, ddp_world_size, master_process = 0, 1, True
-tokens_per_iter = gradient_accumulation_steps * ddp_world_size * batch_size * block_size
 # out_dir's files, on rank 0 (eval_only writes nothing): locked from here on, written from the first step on
-run = Run(out_dir, init_from == 'resume', writes=master_process and not eval_only)
+run = Run(out_dir, resuming, writes=master_process and not eval_only)
 interrupts.left = run.discard  # an interrupt before the first step removes what the run made (lock, W&B folder)
 torch.manual_seed(seed + ddp_rank)
 torch.backends.cuda.matmul.allow_tf32 = True
@@ -156,13 +156,13 @@ if not os.path.exists(os.path.join(data_dir, 'train.bin')) and master_process:
 if ddp:
     dist.barrier()  # the other ranks wait for rank 0 to lock out_dir and prepare the data
 try:
-    meta, tokens = read_data(data_dir)
+    meta, n_tokens = read_data(data_dir)
 except (OSError, ValueError, RecursionError) as e:  # (RecursionError: a JSON nested too deep)
     fail(f"dataset in {data_dir} is missing or broken ({e}); prepare it anew: {remake}")
-for split, n in tokens.items():
+for split, n in n_tokens.items():
     if n <= block_size:
         fail(f"{data_dir}/{split}.bin has {n:,} tokens, not more than block_size={block_size}: lower it")
-if previous and init_from != 'resume' and not eval_only and not overwrite:  # (after the data: a broken one first)
+if previous and not resuming and not eval_only and not overwrite:  # (after the data: a broken one first)
     fail(f"{previous[0]} exists: continue that run with --init_from=resume, replace it with --overwrite=True, "
          f"or pass another --out_dir")
 
@@ -186,8 +186,9 @@ def get_batch(split, generator):
 
 # model: from scratch, resumed (from the later of ckpt.pt and last.pt), or converted from an MHA checkpoint
 iter_num, best_val_loss, wandb_state = 0, 1e9, {}  # the W&B run's id, name, config, samples, last step sent
-asked = gptconf = GPTConfig(vocab_size=meta['vocab_size'], **{k: config[k] for k in model_keys})  # the flags' model
-if init_from == 'resume':
+asked = gptconf = GPTConfig(vocab_size=meta['vocab_size'], **{k: config[k] for k in model_keys})  # the model the flags
+# ask for (asked): a resume must match it, a conversion builds its source's shape (gptconf) instead
+if resuming:
     resume_path, checkpoint = resume_state(out_dir, device, meta, asked, data_dir)
     iter_num, best_val_loss = checkpoint['iter_num'], checkpoint['best_val_loss']
     wandb_state = checkpoint.get('wandb') if isinstance(checkpoint.get('wandb'), dict) else {  # a resume continues
@@ -202,7 +203,8 @@ elif converting:  # MHA -> GQA/MQA: mean-pool the K/V heads of init_from/ckpt.pt
         gptconf = GPTConfig(vocab_size=meta['vocab_size'], **model_args)
     except ValueError as e:  # this run's K/V heads for the source's n_head
         fail(f"converting {init_from}: {e}")
-block_size, tokens_per_iter = gptconf.block_size, tokens_per_iter // block_size * gptconf.block_size  # (converted)
+block_size = gptconf.block_size  # (a converted model: its source's)
+tokens_per_iter = gradient_accumulation_steps * ddp_world_size * batch_size * block_size
 # the memory it needs, counted before anything is built: fp32 weights, gradients and AdamW's two moments (16 bytes a
 # parameter) and per token at least a dozen n_embd-wide tensors a layer kept for backward, fp32 logits and their grad
 n_params = num_params(gptconf)
@@ -212,12 +214,12 @@ check_memory(16 * n_params + batch_size * block_size * per_token, device, f"{siz
              f"{batch_size} x block_size={block_size}: the weights, optimizer and activations")
 model = GPT(gptconf)
 try:  # weights of another shape: one line
-    if init_from == 'resume':
+    if resuming:
         model.load_state_dict(weights(checkpoint))
     if converting:
         model.load_state_dict(pool_kv_heads(weights(source), source_cfg, gptconf.n_kv_head))
 except (RuntimeError, ValueError, KeyError) as e:
-    fail(f"cannot resume from {resume_path}: {describe(e)}" if init_from == 'resume' else f"cannot convert {init_from}: {e}")
+    fail(f"cannot resume from {resume_path}: {describe(e)}" if resuming else f"cannot convert {init_from}: {e}")
 if converting:
     print(f"converted {init_from} ({source_cfg.attn}, {source_cfg.n_head} K/V heads) to {attn} with "
           f"{gptconf.n_kv_head} K/V heads by mean-pooling")
@@ -227,7 +229,7 @@ decay = [p for p in model.parameters() if p.dim() >= 2]  # nanoGPT's AdamW: matm
 nodecay = [p for p in model.parameters() if p.dim() < 2]  # biases and norms do not
 optimizer = torch.optim.AdamW([{'params': decay, 'weight_decay': weight_decay}, {'params': nodecay, 'weight_decay': 0.0}],
                               lr=learning_rate, betas=(beta1, beta2), fused=device_type == 'cuda')
-if init_from == 'resume':
+if resuming:
     try:
         optimizer.load_state_dict(checkpoint['optimizer'])
     except (RuntimeError, ValueError, KeyError) as e:  # an optimizer state of another shape
@@ -273,7 +275,7 @@ def estimate_loss():
     return out
 
 
-try:  # the samples at evaluations: 200 greedy, cached tokens after a newline (nanoGPT's default prompt)
+try:  # the samples at evaluations: 200 tokens after a newline (nanoGPT's default prompt), temperature 0.8, top-k 200
     encode, decode = tokenizer(meta)
     prompt = torch.tensor([encode('\n')], device=device)
 except ValueError:  # a vocabulary without a newline
@@ -294,7 +296,8 @@ def get_lr(it):
 def save(path, val_loss=None):  # val_loss: of these weights (None: not evaluated); best_val_loss: of ckpt.pt's
     run.save(path, {'model': raw_model.state_dict(), 'optimizer': optimizer.state_dict(), 'model_args': asdict(gptconf),
                     'iter_num': iter_num, 'val_loss': val_loss, 'best_val_loss': best_val_loss, 'config': config,
-                    'meta': meta, 'wandb': wandb.saved(iter_num), 'wandb_id': wandb.state.get('id')}, iter_num)
+                    'meta': meta, 'wandb': wandb_run.saved(iter_num), 'wandb_id': wandb_run.state.get('id')},  # (older code's)
+             iter_num)
 
 
 def resume_command():
@@ -305,7 +308,7 @@ def resume_command():
     return shlex.join(launcher + [sys.argv[0]] + args + model_flags(gptconf, asked))
 
 
-run.wandb = wandb = WandB(wandb_state, iter_num)
+run.wandb = wandb_run = WandB(wandb_state, iter_num)
 if wandb_log and run.writes:
     origin = f"-from-{os.path.basename(os.path.normpath(init_from))}" if converting else ''
     name = wandb_run_name or wandb_state.get('name') or f"{attn}{origin}-{time.strftime('%Y%m%d-%H%M%S')}"
@@ -313,8 +316,8 @@ if wandb_log and run.writes:
                 'model': {k: getattr(gptconf, k) for k in used_fields(gptconf)}, 'mlp_hidden': mlp_hidden(gptconf),  # resolved
                 'params': raw_model.get_num_params(), 'tokens_per_iter': tokens_per_iter}
     with interrupts.deferred():  # W&B writes files
-        wandb.start(wandb_project, name, settings, {'params': raw_model.get_num_params(), 'cache_bytes_per_token':
-                    cache_bytes_per_token}, wandb_mode, resumed_at=iter_num if init_from == 'resume' else None)
+        wandb_run.start(wandb_project, name, settings, {'params': raw_model.get_num_params(), 'cache_bytes_per_token':
+                    cache_bytes_per_token}, wandb_mode, resumed_at=iter_num if resuming else None)
 
 interrupts.at_once = False  # from here on an interrupt is a flag, checked at every iteration
 if interrupts.requested(device):  # (one during W&B's init, on any rank)
@@ -327,7 +330,7 @@ local_iter_num, running_mfu, stop = 0, -1.0, False
 step_time, eval_time = None, 0.0  # recent seconds per step and per evaluation (with its sample and save): the ETA
 if compile:
     print("compiling the model: the first iteration is slow (minutes on a CPU)", flush=True)
-ckpt_stale = init_from == 'resume' and os.path.basename(resume_path) == 'last.pt'  # ckpt.pt lacks these weights
+ckpt_stale = resuming and os.path.basename(resume_path) == 'last.pt'  # ckpt.pt lacks these weights
 while True:
     lr = get_lr(iter_num) if decay_lr else learning_rate
     for param_group in optimizer.param_groups:
@@ -344,15 +347,15 @@ while True:
     if losses:
         print(f"step {iter_num}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f} "
               f"(evaluated in {duration(eval_seconds)})")
-        if (sample_every_eval or wandb.api) and decode:  # as `sample.py --seed=<seed + iteration>` samples the weights
+        if (sample_every_eval or wandb_run.api) and decode:  # as `sample.py --seed=<seed + iteration>` samples the weights
             raw_model.eval()
-            with ctx, torch.random.fork_rng(devices=[device] if device_type == 'cuda' else []):
-                torch.manual_seed(seed + iter_num)  # a resumed run logs the same text
+            with ctx:
+                torch.manual_seed(seed + iter_num)  # a resumed run logs the same text (training reseeds below)
                 text = decode(raw_model.generate(prompt, 200, temperature=0.8, top_k=200)[0, prompt.size(1):].tolist())
             raw_model.train()
             if sample_every_eval:
                 print(f"sample:\n{text}\n---")
-            wandb.sample(iter_num, attn, text)
+            wandb_run.sample(iter_num, attn, text)
         run.log({'iter': iter_num, 'train/loss': losses['train'], 'val/loss': losses['val'], 'lr': lr,
                  'cache_bytes_per_token': cache_bytes_per_token})
         if not (math.isfinite(losses['train']) and math.isfinite(losses['val'])):  # never saved, whatever the flags
@@ -360,7 +363,7 @@ while True:
                  f"{losses['val']}); stopped, {kept(out_dir)} (try a lower learning_rate)")
         if (losses['val'] < best_val_loss or always_save_checkpoint) and not eval_only:
             best_val_loss = min(best_val_loss, losses['val'])
-            wandb.call(lambda api: api.run.summary.update({'best_val_loss': best_val_loss}))
+            wandb_run.call(lambda api: api.run.summary.update({'best_val_loss': best_val_loss}))
             if ckpt_stale:
                 save(run.ckpt, losses['val'])
                 ckpt_stale = False
@@ -385,8 +388,8 @@ while True:
         with ctx:
             logits, loss = model(X, Y)
             loss = loss / gradient_accumulation_steps
-        nxt = micro_step + 1  # prefetch the next micro-batch while the GPU works
-        X, Y = get_batch('train', draw(iter_num + nxt // gradient_accumulation_steps, nxt % gradient_accumulation_steps))
+        later, micro = divmod(micro_step + 1, gradient_accumulation_steps)  # the next micro-batch, prefetched
+        X, Y = get_batch('train', draw(iter_num + later, micro))  # while the GPU works
         if not torch.isfinite(loss):
             fail(f"loss is {loss.item()} at iteration {iter_num}; stopped, {kept(out_dir)} (try a lower learning_rate)")
         scaler.scale(loss).backward()
@@ -424,7 +427,7 @@ if ddp:  # every rank must end with the same weights
     sys.stdout.flush()  # then the line in one write: the ranks share one stdout
     print(f"rank {ddp_rank}: weights sha256 {digest.hexdigest()[:16]}", flush=True)
     dist.destroy_process_group()
-wandb.finish(best_val_loss, upload=wandb_log_checkpoint and run.ckpt)
+wandb_run.finish(best_val_loss, upload=wandb_log_checkpoint and run.ckpt)
 if not stop:
     run.done(iter_num, 'the latest evaluated' if always_save_checkpoint else 'the best')
 # DDP keeps gloo's worker threads alive past destroy_process_group; one that frees a tensor while Python shuts down

@@ -94,7 +94,7 @@ def check_train(config, datasets, previous, remake):
             *[(abs(v) < 2 ** 62, f"{k}={v} is out of range (|value| < 2**62)")
               for k, v in config.items() if type(v) is int],
             (c.init_from != 'resume' or previous,
-             f"init_from='resume' but there is no checkpoint at {os.path.join(c.out_dir, 'ckpt.pt')}"),
+             f"init_from='resume' but there is no checkpoint (ckpt.pt or last.pt) in out_dir={c.out_dir!r}"),
             (not (c.eval_only and c.init_from == 'scratch' and previous),
              f"eval_only=True would evaluate a new random model, not {(previous or [''])[0]}: add --init_from=resume"),
             (re.fullmatch(r'\w+', c.dataset) and c.dataset in datasets,  # (its prepare.py is run: none from elsewhere)

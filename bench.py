@@ -32,8 +32,9 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
-from checkpoint import FileError, num_params, write_atomic
-from configurator import Parser, check_device, check_memory, checked, describe, fail, memory_errors_in_one_line, parse_value
+from checkpoint import FileError, write_atomic
+from configurator import (Parser, check_device, check_memory, checked, describe, fail, memory_errors_in_one_line, num_params,
+                          parse_value)
 from model import GPT, GPTConfig, ATTN_LAYOUTS, linear_chunked
 
 os.environ.setdefault('KINETO_LOG_LEVEL', '6')  # no 'USDT: profiler_start' lines (inductor profiles GPU kernels)

@@ -16,7 +16,7 @@ bench.py find and read checkpoints here too.
   last.pt and exits 130; a resume starts from the later of ckpt.pt and last.pt and continues bit-exactly. A
   divergence (a non-finite loss or weight) saves nothing: exit 2, the last good files kept, its row logged.
 - A checkpoint is read safely (weights only: a pickle that runs code is refused) and checked, and its model is
-  sized from its config before anything is built.
+  sized from its config before anything is built (configurator.num_params).
 W&B's run (its folder, resume as one run): wandb_run.py. torch is imported where it is used: train.py catches
 interrupts before its slow import.
 """
@@ -32,9 +32,9 @@ import signal
 import stat
 import sys
 from contextlib import contextmanager
-from dataclasses import fields, replace
+from dataclasses import replace
 
-from configurator import describe, fail
+from configurator import describe, fail, model_flags
 
 
 class FileError(Exception):
@@ -205,36 +205,6 @@ def resume_state(out_dir, device, meta, asked, data_dir):
     if differ:
         fail(f"{path} is another model ({', '.join(differ)} in it); add those settings to resume it, or change out_dir")
     return path, ckpt
-
-
-def used_fields(cfg):
-    """The fields of GPTConfig cfg that its layouts use (the others keep 0 or a default nothing reads)."""
-    linear = [a for a in cfg.layer_counts() if a not in ('mha', 'gqa', 'mqa', 'mla')]
-    unused = {'n_kv_head': cfg.softmax in (None, 'mla'), 'kv_lora_rank': cfg.softmax != 'mla', 'chunk_size': not linear,
-              'rope_head_dim': cfg.softmax != 'mla', 'q_lora_rank': cfg.softmax != 'mla', 'conv_size': linear in ([], ['linear']),
-              'rope_base': cfg.pos_emb != 'rope' or not cfg.softmax}
-    return [f.name for f in fields(cfg) if not unused.get(f.name)]
-
-
-def model_flags(a, b):
-    """The --key=value settings of GPTConfig a that differ from b, of the fields a uses."""
-    return [f"--{k}={getattr(a, k)}" for k in used_fields(a) if k != 'vocab_size' and getattr(a, k) != getattr(b, k)]
-
-
-def num_params(config):
-    """GPT(config)'s parameter count, before anything is built: one block of each layout on the meta device, times
-    its number of layers, plus the embeddings (any n_layer); inf where a tensor's size would overflow."""
-    import torch
-    from model import GPT, Block, GPTConfig
-    count = lambda module: sum(p.numel() for p in module.parameters())
-    try:
-        with torch.device('meta'):
-            one = GPT(replace(config, n_layer=1, attn=config.softmax or config.pattern()[0],  # for its embeddings
-                              conv_size=GPTConfig.conv_size))
-            blocks = sum(n * count(Block(config, a)) for a, n in config.layer_counts().items())
-            return count(one) - count(one.transformer.h[0]) + blocks
-    except (RuntimeError, OverflowError, TypeError):  # "Storage size calculation overflowed", or past int64
-        return math.inf
 
 
 class Run:

@@ -1,6 +1,6 @@
 """
 nanoGPT-style configuration, with checks (and the one-line errors every script shares: fail, argparse's Parser,
-the device and memory checks):
+the device and memory checks, a model's flags and size):
 
     python train.py config/gqa.py config/cpu.py --batch_size=32 --attn=mla
 
@@ -18,6 +18,7 @@ import re
 import signal
 import sys
 import types
+from dataclasses import fields, replace
 
 
 def fail(msg):
@@ -70,9 +71,16 @@ def check_device(device, dtype):
         fail(f"device={device!r} but CUDA is not available here; use --device=cpu")
 
 
-def check_train(config, datasets, previous, remake):
-    """train.py's values, before any work: one line and exit 2 for the first that is wrong (the model's fields are
-    GPTConfig's to check). datasets: data/'s folders; previous: out_dir's checkpoints; remake: how to make data_dir."""
+def check_train(config, data, previous, remake):
+    """train.py's values, before any work: one line and exit 2 for the first that is wrong, the model's fields first
+    (GPTConfig's own table). data: the data/ folder; previous: out_dir's checkpoints; remake: how to make data_dir."""
+    from model import GPTConfig
+    try:
+        GPTConfig(**{f.name: config[f.name] for f in fields(GPTConfig) if f.name != 'vocab_size'})
+    except ValueError as e:
+        fail(str(e))
+    datasets = sorted(d for d in os.listdir(data) if os.path.isfile(os.path.join(data, d, 'prepare.py'))
+                      and d != 'mqar')  # (mqar: bench.py mqar's synthetic recall sequences, not a text to train on)
     c = types.SimpleNamespace(**config)
     converting = c.init_from not in ('scratch', 'resume')  # init_from is an MHA out_dir to convert
     for ok, message in (
@@ -100,6 +108,7 @@ def check_train(config, datasets, previous, remake):
             (re.fullmatch(r'\w+', c.dataset) and c.dataset in datasets,  # (its prepare.py is run: none from elsewhere)
              f"dataset={c.dataset!r} is unknown: give one of {datasets} (a folder of data/); your own text goes in "
              "--data_dir"),
+            (not c.wandb_log or c.wandb_project.strip(), f"wandb_project={c.wandb_project!r} must name a W&B project"),
             (not c.data_dir or os.path.exists(os.path.join(c.data_dir, 'train.bin')),  # a typo: not another text
              f"no train.bin in data_dir={c.data_dir!r}: make one ({remake}), or leave data_dir empty for "
              f"data/{c.dataset}/")):
@@ -124,6 +133,46 @@ def check_memory(need, device, what):
     if need > have:  # (need is inf for a size whose byte count overflows)
         amount = f"at least {need / 1e9:,.1f} GB" if math.isfinite(need) else "more bytes than a 64-bit count holds"
         fail(f"{what} need {amount}; this {device.split(':')[0].upper()} has {have / 1e9:,.1f} GB")
+
+
+def check_train_memory(cfg, batch_size, dtype, device):
+    """Training's memory, counted before anything is built: fp32 weights, gradients and AdamW's two moments (16 bytes a
+    parameter), and per token at least a dozen n_embd-wide tensors a layer kept for backward, fp32 logits and grad."""
+    n = num_params(cfg)
+    per_token = 12 * cfg.n_layer * cfg.n_embd * (4 if dtype == 'float32' else 2) + 8 * cfg.vocab_size
+    size = f'{n / 1e6:,.1f}M' if math.isfinite(n) else 'over 10^18'
+    check_memory(16 * n + batch_size * cfg.block_size * per_token, device, f"{size} parameters and batch_size="
+                 f"{batch_size} x block_size={cfg.block_size}: the weights, optimizer and activations")
+
+
+def used_fields(cfg):
+    """The fields of GPTConfig cfg that its layouts use (the others keep 0 or a default nothing reads)."""
+    linear = [a for a in cfg.layer_counts() if a not in ('mha', 'gqa', 'mqa', 'mla')]
+    unused = {'n_kv_head': cfg.softmax in (None, 'mla'), 'kv_lora_rank': cfg.softmax != 'mla', 'chunk_size': not linear,
+              'rope_head_dim': cfg.softmax != 'mla', 'q_lora_rank': cfg.softmax != 'mla', 'conv_size': linear in ([], ['linear']),
+              'rope_base': cfg.pos_emb != 'rope' or not cfg.softmax}
+    return [f.name for f in fields(cfg) if not unused.get(f.name)]
+
+
+def model_flags(a, b):
+    """The --key=value settings of GPTConfig a that differ from b, of the fields a uses."""
+    return [f"--{k}={getattr(a, k)}" for k in used_fields(a) if k != 'vocab_size' and getattr(a, k) != getattr(b, k)]
+
+
+def num_params(config):
+    """GPT(config)'s parameter count, before anything is built: one block of each layout on the meta device, times
+    its number of layers, plus the embeddings (any n_layer); inf where a tensor's size would overflow."""
+    import torch
+    from model import GPT, Block, GPTConfig
+    count = lambda module: sum(p.numel() for p in module.parameters())
+    try:
+        with torch.device('meta'):
+            one = GPT(replace(config, n_layer=1, attn=config.softmax or config.pattern()[0],  # for its embeddings
+                              conv_size=GPTConfig.conv_size))
+            blocks = sum(n * count(Block(config, a)) for a, n in config.layer_counts().items())
+            return count(one) - count(one.transformer.h[0]) + blocks
+    except (RuntimeError, OverflowError, TypeError):  # "Storage size calculation overflowed", or past int64
+        return math.inf
 
 
 def memory_errors_in_one_line(sizes='batch_size, block_size, the model'):

@@ -14,8 +14,8 @@ import time
 
 import torch
 
-from checkpoint import FileError, checkpoints, newest_out_dir, num_params, read_checkpoint, trained_on, weights
-from configurator import (check_device, check_memory, configure, describe, duration, fail, memory_errors_in_one_line,
+from checkpoint import FileError, checkpoints, newest_out_dir, read_checkpoint, trained_on, weights
+from configurator import (check_device, check_memory, configure, describe, duration, fail, memory_errors_in_one_line, num_params,
                           on_closed_output)
 from data.common import PrepareError, check_meta, tokenizer
 from model import GPT

@@ -27,12 +27,12 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from checkpoint import Run, checkpoints, kept, model_flags, num_params, resume_state, used_fields, weights
-from configurator import (check_device, check_memory, check_train, configure, describe, duration, fail, memory_errors_in_one_line,
-                          on_closed_output)
+from checkpoint import Run, checkpoints, kept, resume_state, weights
+from configurator import (check_device, check_train, check_train_memory, configure, describe, duration, fail,
+                          memory_errors_in_one_line, model_flags, on_closed_output)
 from convert import conversion, pool_kv_heads
 from data.common import PrepareError, prepare_with, read_data, tokenizer
-from model import GPT, GPTConfig, mlp_hidden
+from model import GPT, GPTConfig
 from wandb_run import WandB
 
 # -----------------------------------------------------------------------------
@@ -105,16 +105,10 @@ model_keys = [f.name for f in fields(GPTConfig) if f.name != 'vocab_size']
 resuming, converting = init_from == 'resume', init_from not in ('scratch', 'resume')  # else an MHA out_dir to convert
 previous = checkpoints(out_dir)
 DATA = os.path.join(os.path.dirname(os.path.abspath(__file__)), 'data')
-datasets = sorted(d for d in os.listdir(DATA) if os.path.isfile(os.path.join(DATA, d, 'prepare.py'))
-                  and d != 'mqar')  # (mqar: bench.py mqar's synthetic recall sequences, not a text to train on)
 remake = f"python data/{dataset}/prepare.py --input FILE --out_dir {data_dir}" if data_dir else "delete it and run again"
 # (remake: how to make data_dir's files anew, for the messages that find them missing or broken)
 check_device(device, dtype)
-try:
-    GPTConfig(**{k: config[k] for k in model_keys})  # the model's fields: GPTConfig's own table
-except ValueError as e:
-    fail(str(e))
-check_train(config, datasets, previous, remake)  # train.py's own values: one table
+check_train(config, DATA, previous, remake)  # the model's fields by GPTConfig's own table, then train.py's values
 
 # DDP: one process per device, launched by torchrun
 ddp = int(os.environ.get('RANK', -1)) != -1
@@ -185,14 +179,12 @@ def get_batch(split, generator):
 
 
 # model: from scratch, resumed (from the later of ckpt.pt and last.pt), or converted from an MHA checkpoint
-iter_num, best_val_loss, wandb_state = 0, 1e9, {}  # the W&B run's id, name, config, samples, last step sent
+iter_num, best_val_loss, checkpoint = 0, 1e9, {}
 asked = gptconf = GPTConfig(vocab_size=meta['vocab_size'], **{k: config[k] for k in model_keys})  # the model the flags
 # ask for (asked): a resume must match it, a conversion builds its source's shape (gptconf) instead
 if resuming:
     resume_path, checkpoint = resume_state(out_dir, device, meta, asked, data_dir)
     iter_num, best_val_loss = checkpoint['iter_num'], checkpoint['best_val_loss']
-    wandb_state = checkpoint.get('wandb') if isinstance(checkpoint.get('wandb'), dict) else {  # a resume continues
-        'id': checkpoint.get('wandb_id')}  # its W&B run, as one (wandb_run.py)
     if iter_num > max_iters and not eval_only:
         fail(f"{resume_path} is at iteration {iter_num}, past max_iters={max_iters}: nothing to train "
              f"(raise max_iters to continue, or --eval_only=True to evaluate it)")
@@ -205,36 +197,26 @@ elif converting:  # MHA -> GQA/MQA: mean-pool the K/V heads of init_from/ckpt.pt
         fail(f"converting {init_from}: {e}")
 block_size = gptconf.block_size  # (a converted model: its source's)
 tokens_per_iter = gradient_accumulation_steps * ddp_world_size * batch_size * block_size
-# the memory it needs, counted before anything is built: fp32 weights, gradients and AdamW's two moments (16 bytes a
-# parameter) and per token at least a dozen n_embd-wide tensors a layer kept for backward, fp32 logits and their grad
-n_params = num_params(gptconf)
-per_token = 12 * gptconf.n_layer * gptconf.n_embd * (4 if dtype == 'float32' else 2) + 8 * gptconf.vocab_size
-size = f'{n_params / 1e6:,.1f}M' if math.isfinite(n_params) else 'over 10^18'
-check_memory(16 * n_params + batch_size * block_size * per_token, device, f"{size} parameters and batch_size="
-             f"{batch_size} x block_size={block_size}: the weights, optimizer and activations")
+check_train_memory(gptconf, batch_size, dtype, device)  # counted before anything is built
 model = GPT(gptconf)
-try:  # weights of another shape: one line
-    if resuming:
-        model.load_state_dict(weights(checkpoint))
-    if converting:
-        model.load_state_dict(pool_kv_heads(weights(source), source_cfg, gptconf.n_kv_head))
-except (RuntimeError, ValueError, KeyError) as e:
-    fail(f"cannot resume from {resume_path}: {describe(e)}" if resuming else f"cannot convert {init_from}: {e}")
-if converting:
-    print(f"converted {init_from} ({source_cfg.attn}, {source_cfg.n_head} K/V heads) to {attn} with "
-          f"{gptconf.n_kv_head} K/V heads by mean-pooling")
 model.to(device)
 scaler = torch.amp.GradScaler(device_type, enabled=(dtype == 'float16' and device_type == 'cuda'))
 decay = [p for p in model.parameters() if p.dim() >= 2]  # nanoGPT's AdamW: matmul weights and embeddings decay,
 nodecay = [p for p in model.parameters() if p.dim() < 2]  # biases and norms do not
 optimizer = torch.optim.AdamW([{'params': decay, 'weight_decay': weight_decay}, {'params': nodecay, 'weight_decay': 0.0}],
                               lr=learning_rate, betas=(beta1, beta2), fused=device_type == 'cuda')
-if resuming:
-    try:
+try:  # weights or an optimizer state of another shape: one line
+    if resuming:
+        model.load_state_dict(weights(checkpoint))
         optimizer.load_state_dict(checkpoint['optimizer'])
-    except (RuntimeError, ValueError, KeyError) as e:  # an optimizer state of another shape
-        fail(f"cannot resume from {resume_path}: {describe(e)}")
-    checkpoint = None  # free up memory
+    if converting:
+        model.load_state_dict(pool_kv_heads(weights(source), source_cfg, gptconf.n_kv_head))
+        print(f"converted {init_from} ({source_cfg.attn}, {source_cfg.n_head} K/V heads) to {attn} with "
+              f"{gptconf.n_kv_head} K/V heads by mean-pooling")
+except (RuntimeError, ValueError, KeyError) as e:
+    fail(f"cannot resume from {resume_path}: {describe(e)}" if resuming else f"cannot convert {init_from}: {e}")
+wandb_run = run.wandb = WandB(checkpoint, iter_num)  # a resume continues its W&B run, as one (wandb_run.py)
+checkpoint = source = None  # free up memory
 raw_model = model
 if compile:
     model = torch.compile(model)
@@ -245,12 +227,12 @@ cache_bytes_per_token = gptconf.cache_bytes(block_size, ptdtype) / block_size  #
 # model FLOPs utilization vs an A100's bf16 peak (312 TFLOPS): PaLM's 6N + 12 L H Q T FLOPs per token, as nanoGPT
 flops_per_token = 6 * raw_model.get_num_params() + 12 * gptconf.n_layer * gptconf.n_embd * block_size
 if master_process:
-    print(f"tokens per iteration will be: {tokens_per_iter:,}")
-    print(f"{gptconf.attn}: {raw_model.get_num_params() / 1e6:.2f}M parameters, "
-          f"cache {cache_bytes_per_token:,.0f} bytes/token at block_size {block_size} ({dtype})"
+    layers = gptconf.layer_counts()
+    print(f"tokens per iteration will be: {tokens_per_iter:,}\n{gptconf.attn}: {raw_model.get_num_params() / 1e6:.2f}M "
+          f"parameters, cache {cache_bytes_per_token:,.0f} bytes/token at block_size {block_size} ({dtype})"
           + (" (a fixed state: the bytes shrink as the context grows)" if not gptconf.softmax else "")
-          + (f"; layers: {', '.join(f'{a} x{n}' for a, n in gptconf.layer_counts().items())} (a fixed state in the "
-             f"linear ones)" if len(gptconf.layer_counts()) > 1 else ""))
+          + (f"; layers: {', '.join(f'{a} x{n}' for a, n in layers.items())} (a fixed state in the linear ones)"
+             if len(layers) > 1 else ""))
 
 
 @torch.no_grad()
@@ -308,16 +290,10 @@ def resume_command():
     return shlex.join(launcher + [sys.argv[0]] + args + model_flags(gptconf, asked))
 
 
-run.wandb = wandb_run = WandB(wandb_state, iter_num)
 if wandb_log and run.writes:
-    origin = f"-from-{os.path.basename(os.path.normpath(init_from))}" if converting else ''
-    name = wandb_run_name or wandb_state.get('name') or f"{attn}{origin}-{time.strftime('%Y%m%d-%H%M%S')}"
-    settings = {**{k: v for k, v in config.items() if k not in model_keys or k == 'attn'},  # the model: what it uses,
-                'model': {k: getattr(gptconf, k) for k in used_fields(gptconf)}, 'mlp_hidden': mlp_hidden(gptconf),  # resolved
-                'params': raw_model.get_num_params(), 'tokens_per_iter': tokens_per_iter}
     with interrupts.deferred():  # W&B writes files
-        wandb_run.start(wandb_project, name, settings, {'params': raw_model.get_num_params(), 'cache_bytes_per_token':
-                    cache_bytes_per_token}, wandb_mode, resumed_at=iter_num if resuming else None)
+        wandb_run.start(config, gptconf, {'params': raw_model.get_num_params(), 'cache_bytes_per_token':
+                        cache_bytes_per_token}, resumed_at=iter_num if resuming else None)
 
 interrupts.at_once = False  # from here on an interrupt is a flag, checked at every iteration
 if interrupts.requested(device):  # (one during W&B's init, on any rank)

@@ -9,25 +9,37 @@ import netrc
 import os
 import shutil
 import sys
+import time
 from contextlib import redirect_stderr, redirect_stdout
+from dataclasses import fields
 
 from configurator import describe, fail
 
 
 class WandB:
-    """state: a checkpoint's 'wandb' dict (id, name, config, samples, step: the last step sent), {} for a new run.
-    Every method is a no-op until start()."""
+    """The W&B run a checkpoint names ({} for a new run) in its 'wandb' dict: id, name, config, samples and step, the
+    last step sent (older checkpoints: only 'wandb_id'). Every method is a no-op until start()."""
 
-    def __init__(self, state, iter_num):
+    def __init__(self, checkpoint, iter_num):
+        state = checkpoint.get('wandb') if isinstance(checkpoint.get('wandb'), dict) else {'id': checkpoint.get('wandb_id')}
         self.state = {**state, 'samples': [row for row in state.get('samples', []) if row[0] < iter_num]}
         self.sent = state.get('step', -1)  # the last step the resumed run sent: none of them again
         self.api, self.folder = None, None  # the wandb module and the run's folder, once started
 
-    def start(self, project, name, config, summary, mode, resumed_at=None):
-        """W&B's run, named name (made to hold config['attn']); a resume's (resumed_at: its iteration) keeps its
-        first config, adding what config changed. mode '' = $WANDB_MODE, else online with credentials, offline
-        without."""
-        state, attn = self.state, config['attn']
+    def start(self, train, cfg, summary, resumed_at=None):
+        """The W&B run of train.py's config train and its model cfg (a GPTConfig; a conversion's too), named after the
+        layout; summary: its params and cache_bytes_per_token. A resume's (resumed_at: its iteration) keeps its first
+        config, adding what train changed. wandb_mode '' = $WANDB_MODE, else online with credentials, offline without."""
+        from configurator import used_fields
+        from model import mlp_hidden
+        model_keys, attn, source = [f.name for f in fields(cfg)], train['attn'], train['init_from']
+        origin = f"-from-{os.path.basename(os.path.normpath(source))}" if source not in ('scratch', 'resume') else ''
+        name = train['wandb_run_name'] or self.state.get('name') or f"{attn}{origin}-{time.strftime('%Y%m%d-%H%M%S')}"
+        config = {**{k: v for k, v in train.items() if k not in model_keys or k == 'attn'},  # the model: what it uses,
+                  'model': {k: getattr(cfg, k) for k in used_fields(cfg)}, 'mlp_hidden': mlp_hidden(cfg),  # resolved
+                  'params': summary['params'],
+                  'tokens_per_iter': train['gradient_accumulation_steps'] * train['batch_size'] * cfg.block_size}
+        state, mode = self.state, train['wandb_mode']
         state.update(name=name if attn in name else f"{attn}-{name}", id=state.get('id') or os.urandom(4).hex())
         first = state.get('config') or config
         state['config'] = first if resumed_at is None else {**first, f'resumed_at_{resumed_at}': {
@@ -44,7 +56,7 @@ class WandB:
         except ImportError as e:
             fail(f"wandb_log=True needs wandb ({describe(e)}): pip install -r requirements.txt, or --wandb_log=False")
         try:
-            run = wandb.init(project=project, name=state['name'], id=state['id'], resume='allow', mode=mode,
+            run = wandb.init(project=train['wandb_project'], name=state['name'], id=state['id'], resume='allow', mode=mode,
                              config=state['config'])
             run.summary.update(summary)
         except Exception as e:
@@ -96,9 +108,9 @@ class WandB:
         of an online run, in words ('' if nothing)."""
         if self.folder is None:
             return ''
-        try:
+        try:  # (api None: a call failed, W&B stopped)
             with open(os.devnull, 'w') as null, redirect_stdout(null), redirect_stderr(null):  # its "sync it" lines
-                self.api.finish(exit_code=130)
+                self.api and self.api.finish(exit_code=130)
         except Exception:
             pass
         if self.mode != 'offline':

@@ -108,9 +108,10 @@ def write_atomic(path, data, durable=False):
             os.fsync(fd)
             os.close(fd)
     except (OSError, RuntimeError) as e:  # disk full, file size limit, I/O error: torch.save says RuntimeError
+        reason = why(e, path)  # before the temp file goes: the space it took is why the disk is full
         if os.path.isfile(tmp):
             os.remove(tmp)
-        raise FileError(f"cannot write {path}: {why(e, path)}; the old file kept, no partial file left") from None
+        raise FileError(f"cannot write {path}: {reason}; the old file kept, no partial file left") from None
 
 
 def why(e, path):
@@ -156,6 +157,16 @@ def read_checkpoint(path, device='cpu', keys=('model', 'model_args')):
 def weights(ckpt):
     """The model's state dict, without the prefix torch.compile adds to its names."""
     return {k.removeprefix('_orig_mod.'): v for k, v in ckpt['model'].items()}
+
+
+def load_optimizer(optimizer, state):
+    """A checkpoint's optimizer state into optimizer, checked: torch matches only the groups' sizes, and a moment of
+    another shape would fail at the first step, after an evaluation, in a traceback."""
+    import torch
+    optimizer.load_state_dict(state)
+    if not all(isinstance(s, dict) and all(torch.is_tensor(v) and (v.dim() == 0 or v.shape == p.shape) for v in s.values())
+               for p, s in optimizer.state.items()):
+        raise ValueError("its optimizer state does not fit the model's weights (a moment of another shape)")
 
 
 def checkpoints(out_dir):

@@ -75,14 +75,14 @@ def check_train(config, data, previous, remake):
     """train.py's values, before any work: one line and exit 2 for the first that is wrong, the model's fields first
     (GPTConfig's own table). data: the data/ folder; previous: out_dir's checkpoints; remake: how to make data_dir."""
     from model import GPTConfig
-    try:
-        GPTConfig(**{f.name: config[f.name] for f in fields(GPTConfig) if f.name != 'vocab_size'})
+    c = types.SimpleNamespace(**config)
+    converting = c.init_from not in ('scratch', 'resume')  # init_from is an MHA out_dir to convert
+    try:  # (a conversion's model has its source's shape: convert.py checks it once the source is read)
+        converting or GPTConfig(**{f.name: config[f.name] for f in fields(GPTConfig) if f.name != 'vocab_size'})
     except ValueError as e:
         fail(str(e))
     datasets = sorted(d for d in os.listdir(data) if os.path.isfile(os.path.join(data, d, 'prepare.py'))
                       and d != 'mqar')  # (mqar: bench.py mqar's synthetic recall sequences, not a text to train on)
-    c = types.SimpleNamespace(**config)
-    converting = c.init_from not in ('scratch', 'resume')  # init_from is an MHA out_dir to convert
     for ok, message in (
             (not converting or os.path.isfile(os.path.join(c.init_from, 'ckpt.pt')),
              f"init_from={c.init_from!r} should be 'scratch', 'resume', or an out_dir with an MHA ckpt.pt to convert"),
@@ -108,7 +108,8 @@ def check_train(config, data, previous, remake):
             (re.fullmatch(r'\w+', c.dataset) and c.dataset in datasets,  # (its prepare.py is run: none from elsewhere)
              f"dataset={c.dataset!r} is unknown: give one of {datasets} (a folder of data/); your own text goes in "
              "--data_dir"),
-            (not c.wandb_log or c.wandb_project.strip(), f"wandb_project={c.wandb_project!r} must name a W&B project"),
+            (not c.wandb_log or c.eval_only or c.wandb_project.strip(),  # (eval_only logs nothing)
+             f"wandb_project={c.wandb_project!r} must name a W&B project"),
             (not c.data_dir or os.path.exists(os.path.join(c.data_dir, 'train.bin')),  # a typo: not another text
              f"no train.bin in data_dir={c.data_dir!r}: make one ({remake}), or leave data_dir empty for "
              f"data/{c.dataset}/")):

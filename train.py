@@ -21,13 +21,14 @@ import sys
 import time
 from contextlib import nullcontext
 from dataclasses import asdict, fields
+from types import SimpleNamespace
 
 import numpy as np
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from checkpoint import Run, checkpoints, kept, resume_state, weights
+from checkpoint import Run, checkpoints, kept, load_optimizer, resume_state, weights
 from configurator import (check_device, check_train, check_train_memory, configure, describe, duration, fail,
                           memory_errors_in_one_line, model_flags, on_closed_output)
 from convert import conversion, pool_kv_heads
@@ -180,8 +181,8 @@ def get_batch(split, generator):
 
 # model: from scratch, resumed (from the later of ckpt.pt and last.pt), or converted from an MHA checkpoint
 iter_num, best_val_loss, checkpoint = 0, 1e9, {}
-asked = gptconf = GPTConfig(vocab_size=meta['vocab_size'], **{k: config[k] for k in model_keys})  # the model the flags
-# ask for (asked): a resume must match it, a conversion builds its source's shape (gptconf) instead
+if not converting:  # the model the flags ask for (asked): a resume must match it
+    asked = gptconf = GPTConfig(vocab_size=meta['vocab_size'], **{k: config[k] for k in model_keys})
 if resuming:
     resume_path, checkpoint = resume_state(out_dir, device, meta, asked, data_dir)
     iter_num, best_val_loss = checkpoint['iter_num'], checkpoint['best_val_loss']
@@ -191,6 +192,7 @@ if resuming:
     print(f"resuming from {resume_path} at iteration {iter_num}")
 elif converting:  # MHA -> GQA/MQA: mean-pool the K/V heads of init_from/ckpt.pt, then train on
     source, source_cfg, model_args = conversion(init_from, device, meta, data_dir, config, given)
+    asked = SimpleNamespace(**config)  # the flags: a model of the source's shape (gptconf) may differ from them
     try:
         gptconf = GPTConfig(vocab_size=meta['vocab_size'], **model_args)
     except ValueError as e:  # this run's K/V heads for the source's n_head
@@ -208,12 +210,12 @@ optimizer = torch.optim.AdamW([{'params': decay, 'weight_decay': weight_decay}, 
 try:  # weights or an optimizer state of another shape: one line
     if resuming:
         model.load_state_dict(weights(checkpoint))
-        optimizer.load_state_dict(checkpoint['optimizer'])
+        load_optimizer(optimizer, checkpoint['optimizer'])
     if converting:
         model.load_state_dict(pool_kv_heads(weights(source), source_cfg, gptconf.n_kv_head))
         print(f"converted {init_from} ({source_cfg.attn}, {source_cfg.n_head} K/V heads) to {attn} with "
               f"{gptconf.n_kv_head} K/V heads by mean-pooling")
-except (RuntimeError, ValueError, KeyError) as e:
+except (RuntimeError, ValueError, KeyError, TypeError, AttributeError) as e:  # (crafted files too)
     fail(f"cannot resume from {resume_path}: {describe(e)}" if resuming else f"cannot convert {init_from}: {e}")
 wandb_run = run.wandb = WandB(checkpoint, iter_num)  # a resume continues its W&B run, as one (wandb_run.py)
 checkpoint = source = None  # free up memory

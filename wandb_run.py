@@ -22,7 +22,10 @@ class WandB:
 
     def __init__(self, checkpoint, iter_num):
         state = checkpoint.get('wandb') if isinstance(checkpoint.get('wandb'), dict) else {'id': checkpoint.get('wandb_id')}
-        self.state = {**state, 'samples': [row for row in state.get('samples', []) if row[0] < iter_num]}
+        kinds = {'id': str, 'name': str, 'config': dict, 'samples': list, 'step': int}  # a value of another kind: dropped
+        state = {k: v for k, v in state.items() if isinstance(v, kinds.get(k, object)) and not isinstance(v, bool)}
+        self.state = {**state, 'samples': [row for row in state.get('samples', []) if isinstance(row, list)
+                                           and len(row) == 3 and type(row[0]) is int and row[0] < iter_num]}
         self.sent = state.get('step', -1)  # the last step the resumed run sent: none of them again
         self.api, self.folder = None, None  # the wandb module and the run's folder, once started
 
@@ -60,7 +63,8 @@ class WandB:
                              config=state['config'])
             run.summary.update(summary)
         except Exception as e:
-            fail(f"W&B could not start ({describe(e)}); train without it (--wandb_log=False) or --wandb_mode=offline")
+            fail(f"W&B could not start ({describe(e)}); train without it (--wandb_log=False)"
+                 + " or --wandb_mode=offline" * (mode != 'offline'))
         self.api, self.folder, self.mode = wandb, os.path.dirname(run.dir), mode
         folder = os.path.relpath(self.folder)
         print(f"W&B run {state['name']} ({mode}) in {folder}" + (f"; upload it later with: wandb sync {folder}" + (

@@ -124,3 +124,21 @@ def test_a_cpu_preset_conversion_takes_the_source_shape_and_resumes_as_printed(t
     r = subprocess.run([sys.executable, *command[1:], f'--max_iters={it + 1}'], cwd=ROOT, capture_output=True,
                        text=True, timeout=120)
     assert r.returncode == 0 and f"at iteration {it}" in r.stdout, r.stderr
+
+
+def test_k_v_heads_are_checked_against_the_sources_heads(tmp_path, char_data):
+    """--n_kv_head=4 is a GQA of an 8-head source, whatever n_head the flags left at its default (6 allows 2, 3):
+    the converted model's heads are the checkpoint's, and so is the check."""
+    import subprocess, sys
+    from conftest import ROOT
+    from test_train import train
+    train(tmp_path / 'mha8', char_data, '--n_head=8', '--max_iters=1', '--eval_interval=1')
+    r = subprocess.run([sys.executable, 'train.py', '--device=cpu', '--batch_size=4', '--eval_iters=2', '--attn=gqa',
+                        '--n_kv_head=4', '--max_iters=1', f'--init_from={tmp_path / "mha8"}',
+                        f'--out_dir={tmp_path / "gqa"}', f'--data_dir={char_data}'], cwd=ROOT, capture_output=True,
+                       text=True, timeout=300)
+    assert r.returncode == 0 and 'to gqa with 4 K/V heads by mean-pooling' in r.stdout, r.stderr
+    bad = subprocess.run([sys.executable, 'train.py', '--device=cpu', '--attn=gqa', '--n_kv_head=3',
+                          f'--init_from={tmp_path / "mha8"}', f'--out_dir={tmp_path / "x"}', f'--data_dir={char_data}'],
+                         cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert bad.returncode == 2 and "n_head=8 allows [2, 4]" in bad.stderr and len(bad.stderr.splitlines()) == 1, bad.stderr

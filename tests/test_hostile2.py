@@ -3,6 +3,7 @@ checkpoint.py): files swapped under a live run, links at our temp names, flags p
 data, a kill in a prepare script, a bench run that never ran."""
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -140,3 +141,33 @@ def test_linear_layouts_hostile_pass(tmp_path):
             '--n_layer=2')
     assert "layout hybrid with --n_layer=2: GPTConfig.attn='gated_deltanet*3+gqa' is invalid: has 4 layers" in one_line(r)
     assert not (tmp_path / 'bench' / 'train').exists() and not (tmp_path / 'out').exists()  # no run started
+
+
+def test_crafted_optimizer_and_wandb_states_are_one_line(tmp_path, char_data):
+    """A resume from a checkpoint whose optimizer moments have another shape (torch's load_state_dict accepts them;
+    the first AdamW step fails after an evaluation) or whose groups are not dicts: one line, the file untouched. A
+    'wandb' entry of the wrong kinds (samples None, a name that is a number) is dropped, not a traceback."""
+    train(tmp_path / 'run', char_data, '--max_iters=2', '--eval_interval=2')
+    state = torch.load(tmp_path / 'run' / 'ckpt.pt', weights_only=True)
+    first = next(iter(state['optimizer']['state']))
+    moments = {**state['optimizer']['state'], first: {**state['optimizer']['state'][first], 'exp_avg': torch.zeros(3)}}
+    cases = {'moment': {**state, 'optimizer': {**state['optimizer'], 'state': moments}},
+             'groups': {**state, 'optimizer': {**state['optimizer'], 'param_groups': [1, 2]}}}
+    for (name, ckpt), why in zip(cases.items(), ["ValueError: its optimizer state does not fit the model's weights",
+                                                 "TypeError: "]):
+        (tmp_path / name).mkdir()
+        torch.save(ckpt, tmp_path / name / 'ckpt.pt')
+        before = (tmp_path / name / 'ckpt.pt').read_bytes()
+        r = run('train.py', *TINY, f'--out_dir={tmp_path / name}', f'--data_dir={char_data}', '--init_from=resume',
+                '--max_iters=4')
+        assert f"cannot resume from {tmp_path / name / 'ckpt.pt'}: {why}" in one_line(r)
+        assert (tmp_path / name / 'ckpt.pt').read_bytes() == before
+    (tmp_path / 'wandb').mkdir()
+    torch.save({**state, 'wandb': {'samples': None, 'name': 5, 'id': 'abcd1234', 'step': True}},
+               tmp_path / 'wandb' / 'ckpt.pt')
+    env = {'WANDB_MODE': 'offline', 'WANDB_API_KEY': None, 'HOME': str(tmp_path), 'WANDB_SILENT': 'true',
+           'WANDB_DIR': str(tmp_path)}
+    r = train(tmp_path / 'wandb', char_data, '--init_from=resume', '--max_iters=4', '--eval_interval=2',
+              '--wandb_log=True', env=env)
+    assert re.search(r"^W&B run \S+ \(offline\)", r.stdout, re.M) and 'Traceback' not in r.stderr, r.stdout
+    assert torch.load(tmp_path / 'wandb' / 'ckpt.pt', weights_only=True)['wandb']['id'] == 'abcd1234'

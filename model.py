@@ -370,7 +370,8 @@ class LinearAttention(Attention):
                 seen = torch.cat([seen[0], qkv], 1) if seen else qkv                   # (B, K - 1 + L, 3 n_embd)
                 qkv = F.silu(ShortConv.apply(seen, self.conv.to(f32)))
                 qkv = qkv[:, -L:] if cache is not None else qkv  # (in training no slice: its backward zero-fills)
-            q, k, v = qkv.view(B, L, 3, H, -1).permute(2, 0, 3, 1, 4).contiguous()         # (B, nh, L, hs) each
+            # (B, nh, L, hs) each, made contiguous once here: else every matmul below would copy its transposed view
+            q, k, v = qkv.view(B, L, 3, H, self.head_dim).permute(2, 0, 3, 1, 4).contiguous()
             if self.normalizer:
                 q, k, v = phi(q), phi(k), F.pad(v, (0, 1), value=1.0)  # v's last channel of ones sums z = Σ phi(k)
             else:

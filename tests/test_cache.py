@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from model import LINEAR_RULES
-from conftest import EVERY, is_linear, make_model, full_logits, tol
+from conftest import EVERY, make_model, full_logits, tol
 
 VARIANTS = [dict(attn=a) for a in EVERY] + [
     dict(attn='mha', pos_emb='learned'), dict(attn='gqa', pos_emb='learned'),

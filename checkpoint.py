@@ -1,24 +1,21 @@
 """
-A training run's files, and what is promised about them. train.py writes out_dir through one Run; sample.py and
-bench.py find and read checkpoints here too.
+A training run's files and what is promised about them. train.py writes out_dir through one Run; sample.py and
+bench.py find and read checkpoints here; W&B's run (its folder, resumed as one run) is wandb_run.py's.
 
-    ckpt.pt        the best weights by val loss (--always_save_checkpoint: the latest evaluated); sample.py reads it,
-                   or last.pt when there is no ckpt.pt
-    last.pt        the state an interrupt or the end stopped at, when ckpt.pt does not hold it
-    metrics.jsonl  one strict-JSON row per log line (a non-finite number is null), iterations never going back
+    ckpt.pt        the best weights by val loss (--always_save_checkpoint: the latest evaluated); sample.py reads
+                   it, or last.pt when there is none
+    last.pt        where an interrupt or the end stopped, when ckpt.pt does not hold it
+    metrics.jsonl  one strict-JSON row per log line (non-finite numbers null), iterations never going back
     train.lock     held while a run lives: a second run into the same out_dir is refused
 
-- Every file is written whole or not at all: a temp file NAME.tmpPID, flushed, then renamed. After an error or a
-  full disk the old file is there and no partial one (one line names why); a SIGKILL may leave a NAME.tmpPID, which
-  the next run's first write deletes, and loses the steps since the last save.
-- Before the run's first training step, an error, Ctrl-C, SIGTERM, SIGHUP or a closed stdout leaves out_dir as it
-  was (a new run over checkpoints needs --overwrite=True, and deletes them only then). After it an interrupt saves
-  last.pt and exits 130; a resume starts from the later of ckpt.pt and last.pt and continues bit-exactly. A
-  divergence (a non-finite loss or weight) saves nothing: exit 2, the last good files kept, its row logged.
-- A checkpoint is read safely (weights only: a pickle that runs code is refused) and checked, and its model is
-  sized from its config before anything is built (configurator.num_params).
-W&B's run (its folder, resume as one run): wandb_run.py. torch is imported where it is used: train.py catches
-interrupts before its slow import.
+- A file is written whole or not at all (NAME.tmpPID, flushed, renamed): after an error or a full disk the old one
+  is there, and one line says why. A SIGKILL loses the steps since the last save (and leaves a NAME.tmpPID, which
+  the next run deletes).
+- Until the first training step ends, an error, Ctrl-C, SIGTERM, SIGHUP or a closed stdout leaves out_dir as it
+  was (--overwrite=True deletes old checkpoints only then). After it an interrupt saves last.pt and exits 130; a
+  resume starts from the later of ckpt.pt and last.pt, bit-exactly. A divergence saves nothing: exit 2, the last
+  good files kept. A checkpoint is read as tensors only (a pickle that runs code is refused), checked, and sized
+  before its model is built.
 """
 import atexit
 import errno
@@ -35,6 +32,8 @@ from contextlib import contextmanager
 from dataclasses import replace
 
 from configurator import describe, fail, model_flags
+
+# torch is imported where it is used: train.py catches interrupts before its slow import
 
 
 class FileError(Exception):
@@ -140,6 +139,8 @@ def read_checkpoint(path, device='cpu', keys=('model', 'model_args')):
         if 'weights_only' in reason:  # torch's advice to retry unsafely: never for a file we cannot vouch for
             unpickler = ' '.join(str(e).split('Unpickler error:')[-1].split('Check the documentation')[0].split())
             reason = f"not a file of tensors that loads safely ({unpickler[:120]})"
+        elif 'zip archive' in reason or getattr(e, 'errno', None) == errno.EINVAL or isinstance(e, EOFError):
+            reason = f"truncated or corrupted, not a whole torch.save file ({os.stat(path).st_size:,} bytes)"  # cut short
         raise FileError(f"cannot load checkpoint {path}: {reason}") from None
     kinds = {'model': dict, 'optimizer': dict, 'model_args': dict, 'iter_num': int, 'best_val_loss': float}
     wrong = [k for k in keys if not isinstance(ckpt, dict) or not isinstance(ckpt.get(k), kinds[k])]
@@ -172,6 +173,22 @@ def load_optimizer(optimizer, state):
 def checkpoints(out_dir):
     """out_dir's checkpoints, best first: ckpt.pt (the best weights), last.pt (where the run stopped)."""
     return [p for p in (os.path.join(out_dir, name) for name in ('ckpt.pt', 'last.pt')) if os.path.isfile(p)]
+
+
+def in_use(out_dir):
+    """Whether a live train.py run holds out_dir's lock (opened without following a link or blocking on a FIFO)."""
+    try:
+        import fcntl
+        fd = os.open(os.path.join(out_dir, 'train.lock'), os.O_RDONLY | os.O_NONBLOCK | getattr(os, 'O_NOFOLLOW', 0))
+    except (ImportError, OSError):
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # (released at the close)
+        return False
+    except OSError:
+        return True
+    finally:
+        os.close(fd)
 
 
 def kept(out_dir):

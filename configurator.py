@@ -74,6 +74,7 @@ def check_device(device, dtype):
 def check_train(config, data, previous, remake):
     """train.py's values, before any work: one line and exit 2 for the first that is wrong, the model's fields first
     (GPTConfig's own table). data: the data/ folder; previous: out_dir's checkpoints; remake: how to make data_dir."""
+    from checkpoint import in_use
     from model import GPTConfig
     c = types.SimpleNamespace(**config)
     converting = c.init_from not in ('scratch', 'resume')  # init_from is an MHA out_dir to convert
@@ -102,7 +103,8 @@ def check_train(config, data, previous, remake):
             *[(abs(v) < 2 ** 62, f"{k}={v} is out of range (|value| < 2**62)")
               for k, v in config.items() if type(v) is int],
             (c.init_from != 'resume' or previous,
-             f"init_from='resume' but there is no checkpoint (ckpt.pt or last.pt) in out_dir={c.out_dir!r}"),
+             f"init_from='resume' but there is no checkpoint (ckpt.pt or last.pt) in out_dir={c.out_dir!r}" +
+             " yet: a train.py run is using it (resume once it has saved, or pass another --out_dir)" * in_use(c.out_dir)),
             (not (c.eval_only and c.init_from == 'scratch' and previous),
              f"eval_only=True would evaluate a new random model, not {(previous or [''])[0]}: add --init_from=resume"),
             (re.fullmatch(r'\w+', c.dataset) and c.dataset in datasets,  # (its prepare.py is run: none from elsewhere)

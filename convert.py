@@ -2,6 +2,7 @@
 MHA -> GQA / MQA conversion (Ainslie et al. 2023), used by `train.py --init_from=<mha out_dir>`.
 """
 import os
+import sys
 
 import torch
 
@@ -40,8 +41,9 @@ def conversion(init_from, device, meta, data_dir, config, given):
              f"{data_dir} another ({meta['vocab_size']})")
     own = {'attn': config['attn'], 'n_kv_head': config['n_kv_head'], 'match_mha_params': False, 'dropout': config['dropout']}
     shape = {k: v for k, v in vars(cfg).items() if k != 'vocab_size'}
-    conflicts = [f"--{k}={config[k]} (the checkpoint has {v})" for k, v in shape.items()
-                 if k in given and k not in own and config[k] != v]
+    flags = {a[2:].partition('=')[0] for a in sys.argv[1:] if a.startswith('--')}  # (the rest: config files')
+    conflicts = [f"{'--' * (k in flags)}{k}={config[k]}{' of a config file' * (k not in flags)} (the checkpoint has {v})"
+                 for k, v in shape.items() if k in given and k not in own and config[k] != v]
     if conflicts:
         fail(f"converting {init_from} keeps its shape: drop {', '.join(conflicts)}")
     print(f"the shape of {init_from}: " + ' '.join(f"{k}={shape[k]}" for k in

@@ -32,7 +32,7 @@ from checkpoint import Run, checkpoints, kept, load_optimizer, resume_state, wei
 from configurator import (check_device, check_train, check_train_memory, configure, describe, duration, fail,
                           memory_errors_in_one_line, model_flags, on_closed_output)
 from convert import conversion, pool_kv_heads
-from data.common import PrepareError, prepare_with, read_data, tokenizer
+from data.common import PrepareError, open_data, tokenizer
 from model import GPT, GPTConfig
 from wandb_run import WandB
 
@@ -140,23 +140,17 @@ ptdtype = {'float32': torch.float32, 'bfloat16': torch.bfloat16, 'float16': torc
 # 16-bit autocast on CPU too: --dtype=bfloat16 must not train float32 while the log reports a 16-bit cache
 ctx = nullcontext() if dtype == 'float32' else torch.autocast(device_type=device_type, dtype=ptdtype)
 
-# data: uint16 token ids; the memmap is re-opened for every batch (a kept one grows memory)
+# data: uint16 token ids, prepared by rank 0 on first use; the memmap is re-opened for every batch (a kept one grows)
 data_dir = data_dir or os.path.join(DATA, dataset)
-if not os.path.exists(os.path.join(data_dir, 'train.bin')) and master_process:
-    with interrupts.deferred():  # it writes files
-        try:
-            prepare_with(os.path.join(DATA, dataset, 'prepare.py'), data_dir)
-        except PrepareError as e:
-            fail(str(e))
-if ddp:
-    dist.barrier()  # the other ranks wait for rank 0 to lock out_dir and prepare the data
+if ddp and not master_process:
+    dist.barrier()  # wait for rank 0 to lock out_dir and prepare the data
 try:
-    meta, n_tokens = read_data(data_dir)
-except (OSError, ValueError, RecursionError) as e:  # (RecursionError: a JSON nested too deep)
-    fail(f"dataset in {data_dir} is missing or broken ({e}); prepare it anew: {remake}")
-for split, n in n_tokens.items():
-    if n <= block_size:
-        fail(f"{data_dir}/{split}.bin has {n:,} tokens, not more than block_size={block_size}: lower it")
+    with interrupts.deferred():  # preparing writes files
+        meta = open_data(data_dir, block_size, remake, master_process and os.path.join(DATA, dataset, 'prepare.py'))
+except PrepareError as e:
+    fail(str(e))
+if ddp and master_process:
+    dist.barrier()
 if previous and not resuming and not eval_only and not overwrite:  # (after the data: a broken one first)
     fail(f"{previous[0]} exists: continue that run with --init_from=resume, replace it with --overwrite=True, "
          f"or pass another --out_dir")

@@ -81,6 +81,22 @@ def tokenizer(meta):
     return lambda s: enc.encode(s, allowed_special={'<|endoftext|>'} & enc.special_tokens_set), enc.decode
 
 
+def open_data(data_dir, block_size, remake, prepare=None):
+    """meta.json's content of a prepared data folder whose train.bin and val.bin are whole and longer than block_size,
+    made first by the script prepare (train.py's rank 0) if it has no train.bin; else a PrepareError in one line
+    (remake: how to make the files anew)."""
+    if prepare and not os.path.exists(os.path.join(data_dir, 'train.bin')):
+        prepare_with(prepare, data_dir)
+    try:
+        meta, tokens = read_data(data_dir)
+    except (OSError, ValueError, RecursionError) as e:  # (RecursionError: a JSON nested too deep)
+        raise PrepareError(f"dataset in {data_dir} is missing or broken ({e}); prepare it anew: {remake}") from None
+    for split, n in tokens.items():
+        if n <= block_size:
+            raise PrepareError(f"{data_dir}/{split}.bin has {n:,} tokens, not more than block_size={block_size}: lower it")
+    return meta
+
+
 def read_data(data_dir):
     """(meta.json's content, {split: tokens}) of a prepared data folder, with train.bin and val.bin checked:
     OSError if a file is missing, ValueError naming what is broken."""

@@ -171,3 +171,16 @@ def test_crafted_optimizer_and_wandb_states_are_one_line(tmp_path, char_data):
               '--wandb_log=True', env=env)
     assert re.search(r"^W&B run \S+ \(offline\)", r.stdout, re.M) and 'Traceback' not in r.stderr, r.stdout
     assert torch.load(tmp_path / 'wandb' / 'ckpt.pt', weights_only=True)['wandb']['id'] == 'abcd1234'
+
+
+def test_a_resume_into_a_live_run_without_a_checkpoint_names_the_run(tmp_path, char_data):
+    """--init_from=resume into an out_dir whose live run has not saved yet: that run is named, not only "no
+    checkpoint"; once its lock is free, the plain message again."""
+    import fcntl
+    tmp_path.joinpath('train.lock').touch()
+    args = ('train.py', *TINY, f'--out_dir={tmp_path}', f'--data_dir={char_data}', '--init_from=resume')
+    with open(tmp_path / 'train.lock', 'a') as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)  # as a live run holds it
+        assert "no checkpoint (ckpt.pt or last.pt) in out_dir=" in (err := one_line(run(*args)))
+        assert "yet: a train.py run is using it" in err
+    assert "is using it" not in one_line(run(*args))

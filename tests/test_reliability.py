@@ -111,12 +111,12 @@ TRAIN_CASES = [
     (['--init_from=resume', '--out_dir=EXTRAKEY'], 'Unexpected key(s) in state_dict: "transformer.extra.weight"'),
     (['--init_from=resume', '--out_dir=NOOPTIM'], "no optimizer of the right kind in it: not a checkpoint of train.py"),
     (['--init_from=resume', '--attn=mla'], "is another model (--attn=mha in it); add those settings"),
-    (['--init_from=resume', '--out_dir=CORRUPT'], "cannot load checkpoint"),
+    (['--init_from=resume', '--out_dir=CORRUPT'], "ckpt.pt: truncated or corrupted, not a whole torch.save file (5,000 bytes)"),
     (['--init_from=resume', '--learning_rate=1e12', '--grad_clip=0', '--max_iters=200', '--eval_interval=1000'],
      "loss is nan at iteration"),
     (['--out_dir=/proc/forbidden'], "is not writable"),
     (['--init_from=resume', '--max_iters=2'], "is at iteration 4, past max_iters=2: nothing to train"),  # hung before
-    (['--init_from=resume', '--out_dir=EMPTY'], "cannot load checkpoint"),  # a zero-byte ckpt.pt
+    (['--init_from=resume', '--out_dir=EMPTY'], "ckpt.pt: truncated or corrupted, not a whole torch.save file (0 bytes)"),
     (['--init_from=resume', '--learning_rate=1e12', '--grad_clip=0', '--max_iters=30', '--eval_interval=1',
       '--always_save_checkpoint=True'], "gave a non-finite loss"),  # a diverged eval is never saved
 ]

@@ -1,8 +1,8 @@
 """
 Sample from a trained checkpoint, with or without the cache, or both side by side.
 
-    python sample.py --use_cache                                             # the newest checkpoint of ./out*/
-    python sample.py --out_dir=out-shakespeare-char-gqa                      # cached generation
+    python sample.py                                                         # the newest checkpoint of ./out*/, cached
+    python sample.py --out_dir=out-shakespeare-char-gqa                      # (--use_cache is the default)
     python sample.py --out_dir=out-shakespeare-char-mla --use_cache=False    # re-run the window each step
     python sample.py --out_dir=out-shakespeare-char-mla --compare            # both ways: same tokens? speed? bytes?
     python sample.py --start=FILE:prompt.txt --num_samples=1 --temperature=0

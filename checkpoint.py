@@ -235,6 +235,14 @@ def resume_state(out_dir, device, meta, asked, data_dir):
     return path, ckpt
 
 
+def resume_command(world_size, extra):
+    """This process's command with --init_from=resume (under torchrun if world_size) and the settings in extra (a
+    converted model's shape, which its arguments lack)."""
+    args = [a for a in sys.argv[1:] if not a.startswith(('--init_from', '--overwrite'))] + ['--init_from=resume']
+    launcher = ['torchrun', '--standalone', f'--nproc_per_node={world_size}'] if world_size else ['python']
+    return shlex.join(launcher + [sys.argv[0]] + args + extra)
+
+
 class Run:
     """train.py's out_dir. Written by rank 0 only and not by eval_only (writes=False: every method a no-op), locked
     while the run lives, and changed only from the run's first write on (first_write(), at the end of the first step

@@ -178,6 +178,16 @@ def num_params(config):
         return math.inf
 
 
+def summary(cfg, params, dtype):
+    """The model in one line: layout, parameters, cache bytes per token at block_size, the layers of a hybrid."""
+    import torch
+    per_token, layers = cfg.cache_bytes(cfg.block_size, getattr(torch, dtype)) / cfg.block_size, cfg.layer_counts()
+    return (f"{cfg.attn}: {params / 1e6:.2f}M parameters, cache {per_token:,.0f} bytes/token at block_size "
+            f"{cfg.block_size} ({dtype})" + (" (a fixed state: the bytes shrink as the context grows)" if not cfg.softmax
+            else "") + (f"; layers: {', '.join(f'{a} x{n}' for a, n in layers.items())} (a fixed state in the linear "
+                        f"ones)" if len(layers) > 1 else ""))
+
+
 def memory_errors_in_one_line(sizes='batch_size, block_size, the model'):
     """Out of memory (a size too large for this machine) and Ctrl-C are one line on stderr, not a traceback."""
     default = sys.excepthook

@@ -6,8 +6,9 @@ import sys
 
 import torch
 
-from checkpoint import RESUME, FileError, read_checkpoint
-from configurator import fail
+from checkpoint import RESUME, FileError, read_checkpoint, weights
+from configurator import describe, fail
+from model import GPTConfig
 
 
 def pool_kv_heads(state_dict, config, n_kv_head):
@@ -28,8 +29,8 @@ def pool_kv_heads(state_dict, config, n_kv_head):
 
 
 def conversion(init_from, device, meta, data_dir, config, given):
-    """(checkpoint, its GPTConfig, the converted model's GPTConfig fields) for `train.py --init_from=DIR`: DIR's MHA
-    ckpt.pt with this run's attn, K/V heads and dropout; its shape (and MLP) kept, a flag asking for another refused."""
+    """(GPTConfig, weights) of the model `train.py --init_from=DIR` starts from: DIR's MHA ckpt.pt with this run's
+    attn, K/V heads and dropout, its K/V heads mean-pooled; its shape (and MLP) kept, a flag asking for another refused."""
     try:
         source, cfg = read_checkpoint(os.path.join(init_from, 'ckpt.pt'), device, RESUME)
     except FileError as e:
@@ -48,4 +49,13 @@ def conversion(init_from, device, meta, data_dir, config, given):
         fail(f"converting {init_from} keeps its shape: drop {', '.join(conflicts)}")
     print(f"the shape of {init_from}: " + ' '.join(f"{k}={shape[k]}" for k in
                                                    ('block_size', 'n_layer', 'n_head', 'n_embd', 'pos_emb', 'bias')))
-    return source, cfg, {**shape, **own}
+    try:
+        gptconf = GPTConfig(vocab_size=meta['vocab_size'], **{**shape, **own})  # this run's K/V heads, the source's n_head
+        pooled = pool_kv_heads(weights(source), cfg, gptconf.n_kv_head)
+    except ValueError as e:
+        fail(f"converting {init_from}: {e}")
+    except (RuntimeError, KeyError, TypeError, AttributeError) as e:  # (crafted files)
+        fail(f"cannot convert {init_from}: {describe(e)}")
+    print(f"converted {init_from} ({cfg.attn}, {cfg.n_head} K/V heads) to {gptconf.attn} with {gptconf.n_kv_head} K/V "
+          f"heads by mean-pooling")
+    return gptconf, pooled

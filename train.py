@@ -16,7 +16,6 @@ interrupts = Interrupts()
 import hashlib
 import math
 import os
-import shlex
 import sys
 import time
 from contextlib import nullcontext
@@ -28,11 +27,11 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from checkpoint import Run, checkpoints, kept, load_optimizer, resume_state, weights
+from checkpoint import Run, checkpoints, kept, load_optimizer, resume_command, resume_state, weights
 from configurator import (check_device, check_train, check_train_memory, configure, describe, duration, fail,
-                          memory_errors_in_one_line, model_flags, on_closed_output)
-from convert import conversion, pool_kv_heads
-from data.common import PrepareError, open_data, tokenizer
+                          memory_errors_in_one_line, model_flags, on_closed_output, summary)
+from convert import conversion
+from data.common import PrepareError, open_data, sample_prompt
 from model import GPT, GPTConfig
 from wandb_run import WandB
 
@@ -185,12 +184,8 @@ if resuming:
              f"(raise max_iters to continue, or --eval_only=True to evaluate it)")
     print(f"resuming from {resume_path} at iteration {iter_num}")
 elif converting:  # MHA -> GQA/MQA: mean-pool the K/V heads of init_from/ckpt.pt, then train on
-    source, source_cfg, model_args = conversion(init_from, device, meta, data_dir, config, given)
+    gptconf, converted = conversion(init_from, device, meta, data_dir, config, given)
     asked = SimpleNamespace(**config)  # the flags: a model of the source's shape (gptconf) may differ from them
-    try:
-        gptconf = GPTConfig(vocab_size=meta['vocab_size'], **model_args)
-    except ValueError as e:  # this run's K/V heads for the source's n_head
-        fail(f"converting {init_from}: {e}")
 block_size = gptconf.block_size  # (a converted model: its source's)
 tokens_per_iter = gradient_accumulation_steps * ddp_world_size * batch_size * block_size
 check_train_memory(gptconf, batch_size, dtype, device)  # counted before anything is built
@@ -206,13 +201,11 @@ try:  # weights or an optimizer state of another shape: one line
         model.load_state_dict(weights(checkpoint))
         load_optimizer(optimizer, checkpoint['optimizer'])
     if converting:
-        model.load_state_dict(pool_kv_heads(weights(source), source_cfg, gptconf.n_kv_head))
-        print(f"converted {init_from} ({source_cfg.attn}, {source_cfg.n_head} K/V heads) to {attn} with "
-              f"{gptconf.n_kv_head} K/V heads by mean-pooling")
+        model.load_state_dict(converted)
 except (RuntimeError, ValueError, KeyError, TypeError, AttributeError) as e:  # (crafted files too)
     fail(f"cannot resume from {resume_path}: {describe(e)}" if resuming else f"cannot convert {init_from}: {e}")
 wandb_run = run.wandb = WandB(checkpoint, iter_num)  # a resume continues its W&B run, as one (wandb_run.py)
-checkpoint = source = None  # free up memory
+checkpoint = converted = None  # free up memory
 raw_model = model
 if compile:
     model = torch.compile(model)
@@ -223,13 +216,7 @@ cache_bytes_per_token = gptconf.cache_bytes(block_size, ptdtype) / block_size  #
 # model FLOPs utilization vs an A100's bf16 peak (312 TFLOPS): PaLM's 6N + 12 L H Q T FLOPs per token, as nanoGPT
 flops_per_token = 6 * raw_model.get_num_params() + 12 * gptconf.n_layer * gptconf.n_embd * block_size
 if master_process:
-    layers = gptconf.layer_counts()
-    print(f"tokens per iteration will be: {tokens_per_iter:,}\n{gptconf.attn}: {raw_model.get_num_params() / 1e6:.2f}M "
-          f"parameters, cache {cache_bytes_per_token:,.0f} bytes/token at block_size {block_size} ({dtype})"
-          + (" (a fixed state: the bytes shrink as the context grows)" if not gptconf.softmax else "")
-          + (f"; layers: {', '.join(f'{a} x{n}' for a, n in layers.items())} (a fixed state in the linear ones)"
-             if len(layers) > 1 else ""))
-
+    print(f"tokens per iteration will be: {tokens_per_iter:,}\n{summary(gptconf, raw_model.get_num_params(), dtype)}")
 
 @torch.no_grad()
 def estimate_loss():
@@ -253,14 +240,8 @@ def estimate_loss():
     return out
 
 
-try:  # the samples at evaluations: 200 tokens after a newline (nanoGPT's default prompt), temperature 0.8, top-k 200
-    encode, decode = tokenizer(meta)
-    prompt = torch.tensor([encode('\n')], device=device)
-except ValueError:  # a vocabulary without a newline
-    prompt = torch.tensor([[0]], device=device)
-except PrepareError:  # a BPE whose encoding cannot be downloaded: no samples
-    decode = None
-
+prompt, decode = sample_prompt(meta)  # the samples at evaluations: 200 tokens after it, temperature 0.8, top-k 200
+prompt = torch.tensor([prompt], device=device)
 
 def get_lr(it):
     if it < warmup_iters:
@@ -276,14 +257,6 @@ def save(path, val_loss=None):  # val_loss: of these weights (None: not evaluate
                     'iter_num': iter_num, 'val_loss': val_loss, 'best_val_loss': best_val_loss, 'config': config,
                     'meta': meta, 'wandb': wandb_run.saved(iter_num), 'wandb_id': wandb_run.state.get('id')},  # (older code's)
              iter_num)
-
-
-def resume_command():
-    """This run's command with --init_from=resume, plus the model settings that differ from its arguments
-    (a converted model has its source's shape)."""
-    args = [a for a in sys.argv[1:] if not a.startswith(('--init_from', '--overwrite'))] + ['--init_from=resume']
-    launcher = ['torchrun', '--standalone', f'--nproc_per_node={ddp_world_size}'] if ddp else ['python']
-    return shlex.join(launcher + [sys.argv[0]] + args + model_flags(gptconf, asked))
 
 
 if wandb_log and run.writes:
@@ -348,7 +321,7 @@ while True:
         if master_process and local_iter_num > 0 and (stop or ckpt_stale):
             save(run.last)
         if stop:
-            run.interrupted(iter_num, resume_command())
+            run.interrupted(iter_num, resume_command(ddp and ddp_world_size, model_flags(gptconf, asked)))
         else:
             run.first_write(iter_num)  # a finished run writes its log, even one with nothing to train (max_iters=0)
         break

@@ -81,6 +81,18 @@ def tokenizer(meta):
     return lambda s: enc.encode(s, allowed_special={'<|endoftext|>'} & enc.special_tokens_set), enc.decode
 
 
+def sample_prompt(meta):
+    """(ids, decode) of train.py's samples: a newline (nanoGPT's default prompt), or token 0 in a vocabulary without
+    one; decode None when the tokenizer cannot be loaded (a BPE whose encoding cannot be downloaded): no samples."""
+    try:
+        encode, decode = tokenizer(meta)
+        return encode('\n'), decode
+    except ValueError:
+        return [0], decode
+    except PrepareError:
+        return [0], None
+
+
 def open_data(data_dir, block_size, remake, prepare=None):
     """meta.json's content of a prepared data folder whose train.bin and val.bin are whole and longer than block_size,
     made first by the script prepare (train.py's rank 0) if it has no train.bin; else a PrepareError in one line

@@ -218,6 +218,7 @@ flops_per_token = 6 * raw_model.get_num_params() + 12 * gptconf.n_layer * gptcon
 if master_process:
     print(f"tokens per iteration will be: {tokens_per_iter:,}\n{summary(gptconf, raw_model.get_num_params(), dtype)}")
 
+
 @torch.no_grad()
 def estimate_loss():
     """Mean loss over eval_iters batches of each split; the same batches at every evaluation."""
@@ -242,6 +243,7 @@ def estimate_loss():
 
 prompt, decode = sample_prompt(meta)  # the samples at evaluations: 200 tokens after it, temperature 0.8, top-k 200
 prompt = torch.tensor([prompt], device=device)
+
 
 def get_lr(it):
     if it < warmup_iters:

@@ -14,8 +14,8 @@ bench.py find and read checkpoints here; W&B's run (its folder, resumed as one r
 - Until the first training step ends, an error, Ctrl-C, SIGTERM, SIGHUP or a closed stdout leaves out_dir as it
   was (--overwrite=True deletes old checkpoints only then). After it an interrupt saves last.pt and exits 130; a
   resume starts from the later of ckpt.pt and last.pt, bit-exactly. A divergence saves nothing: exit 2, the last
-  good files kept. A checkpoint is read as tensors only (a pickle that runs code is refused), checked, and sized
-  before its model is built.
+  good files kept. A checkpoint is read as tensors only (a pickle that runs code is refused), its CRCs checked (a
+  changed byte is named, not loaded as another weight), and sized before its model is built.
 """
 import atexit
 import errno
@@ -136,12 +136,15 @@ def read_checkpoint(path, device='cpu', keys=('model', 'model_args')):
         ckpt = torch.load(path, map_location=device, weights_only=True)
     except Exception as e:  # truncated, corrupted, not a checkpoint, or a pickle that would run code
         reason = describe(e)
-        if 'weights_only' in reason:  # torch's advice to retry unsafely: never for a file we cannot vouch for
+        if damaged(path) or 'zip archive' in reason or getattr(e, 'errno', None) == errno.EINVAL or isinstance(
+                e, (EOFError, UnicodeDecodeError)):  # cut short, or bytes changed
+            reason = f"truncated or corrupted, not a whole torch.save file ({os.stat(path).st_size:,} bytes)"
+        elif 'weights_only' in reason:  # torch's advice to retry unsafely: never for a file we cannot vouch for
             unpickler = ' '.join(str(e).split('Unpickler error:')[-1].split('Check the documentation')[0].split())
             reason = f"not a file of tensors that loads safely ({unpickler[:120]})"
-        elif 'zip archive' in reason or getattr(e, 'errno', None) == errno.EINVAL or isinstance(e, EOFError):
-            reason = f"truncated or corrupted, not a whole torch.save file ({os.stat(path).st_size:,} bytes)"  # cut short
         raise FileError(f"cannot load checkpoint {path}: {reason}") from None
+    if damaged(path):  # torch.load reads a changed byte as a changed weight
+        raise FileError(f"cannot load checkpoint {path}: corrupted: {damaged(path)} fails its CRC check")
     kinds = {'model': dict, 'optimizer': dict, 'model_args': dict, 'iter_num': int, 'best_val_loss': float}
     wrong = [k for k in keys if not isinstance(ckpt, dict) or not isinstance(ckpt.get(k), kinds[k])]
     wrong += [k for k, ok in (('iter_num', lambda v: v >= 0), ('best_val_loss', lambda v: v == v)) if k in keys
@@ -153,6 +156,18 @@ def read_checkpoint(path, device='cpu', keys=('model', 'model_args')):
         return ckpt, GPTConfig(**ckpt['model_args'])
     except (TypeError, ValueError) as e:
         raise FileError(f"cannot load checkpoint {path}: its model_args: {describe(e)}") from None
+
+
+def damaged(path):
+    """The first part of a torch.save file (a zip) whose bytes fail their CRC-32, or None; torch.load checks none."""
+    import zipfile
+    if not os.path.isfile(path):
+        return None
+    try:
+        with zipfile.ZipFile(path) as z:
+            return z.testzip()
+    except Exception:  # not a zip at all: torch.load says why
+        return None
 
 
 def weights(ckpt):

@@ -184,8 +184,8 @@ def summary(cfg, params, dtype):
     per_token, layers = cfg.cache_bytes(cfg.block_size, getattr(torch, dtype)) / cfg.block_size, cfg.layer_counts()
     return (f"{cfg.attn}: {params / 1e6:.2f}M parameters, cache {per_token:,.0f} bytes/token at block_size "
             f"{cfg.block_size} ({dtype})" + (" (a fixed state: the bytes shrink as the context grows)" if not cfg.softmax
-            else "") + (f"; layers: {', '.join(f'{a} x{n}' for a, n in layers.items())} (a fixed state in the linear "
-                        f"ones)" if len(layers) > 1 else ""))
+            else "") + (f"; layers: {', '.join(f'{a} x{n}' for a, n in layers.items())}" + " (a fixed state in "
+                        "the linear ones)" * bool(cfg.softmax) if len(layers) > 1 else ""))
 
 
 def memory_errors_in_one_line(sizes='batch_size, block_size, the model'):
@@ -292,9 +292,21 @@ def usage(config, script):
     return '\n'.join(lines)
 
 
+class Assignments(dict):
+    """A config file's namespace: the names it assigns, in order, even to the value they already hold."""
+
+    def __init__(self, config):
+        super().__init__(config)
+        self.assigned = {}
+
+    def __setitem__(self, key, value):
+        super().__setitem__(key, value)
+        self.assigned[key] = None
+
+
 def configure(config, argv, script=None, given=None):
-    """config: {key: default}. Returns a new dict with config files and overrides applied; the keys they set
-    are added to `given`. -h / --help prints the keys of `script` and exits."""
+    """config: {key: default}. Returns a new dict with config files and overrides applied, in order; given (a dict)
+    gets each key they set and what set it last: the config file's path or '--key'. -h / --help prints the keys of `script` and exits."""
     config = dict(config)
     if script and ({'-h', '--help'} & set(argv)):
         print(usage(config, script))
@@ -305,18 +317,18 @@ def configure(config, argv, script=None, given=None):
                 fail(f"unexpected argument {arg!r}: give config files (*.py) and --key=value overrides")
             if not os.path.isfile(arg):
                 fail(f"config file {arg!r} not found")
-            scope = dict(config)
+            scope = Assignments(config)
             try:
                 with open(arg) as f:
                     exec(compile(f.read(), arg, 'exec'), {}, scope)
             except Exception as e:
                 fail(f"config file {arg!r} failed: {type(e).__name__}: {e}")
-            for key, value in scope.items():
-                if key.startswith('_') or isinstance(value, types.ModuleType):
+            for key in scope.assigned:
+                if key.startswith('_') or isinstance(scope[key], types.ModuleType):
                     continue  # helpers a config file may import
-                if key not in config or value is not config[key]:
-                    config[key] = check(key, value, config, arg)
-                    given is None or given.add(key)
+                config[key] = check(key, scope[key], config, arg)
+                if given is not None:
+                    given[key] = arg
         else:
             key, eq, text = arg[2:].partition('=')
             if not eq:
@@ -326,5 +338,6 @@ def configure(config, argv, script=None, given=None):
                     fail(f"{arg!r} needs a value: write --{key}=VALUE" if key in config else
                          f"unknown config key {key!r}")
             config[key] = check(key, parse_value(text, config.get(key)), config, f"--{key}")
-            given is None or given.add(key)
+            if given is not None:
+                given[key] = f"--{key}"
     return config

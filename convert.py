@@ -2,12 +2,12 @@
 MHA -> GQA / MQA conversion (Ainslie et al. 2023), used by `train.py --init_from=<mha out_dir>`.
 """
 import os
-import sys
 
 import torch
 
-from checkpoint import RESUME, FileError, read_checkpoint, weights
+from checkpoint import RESUME, FileError, read_checkpoint, trained_on, weights
 from configurator import describe, fail
+from data.common import PrepareError, open_data
 from model import GPTConfig
 
 
@@ -28,7 +28,7 @@ def pool_kv_heads(state_dict, config, n_kv_head):
     return out
 
 
-def conversion(init_from, device, meta, data_dir, config, given):
+def conversion(init_from, device, meta, data_dir, remake, config, given):
     """(GPTConfig, weights) of the model `train.py --init_from=DIR` starts from: DIR's MHA ckpt.pt with this run's
     attn, K/V heads and dropout, its K/V heads mean-pooled; its shape (and MLP) kept, a flag asking for another refused."""
     try:
@@ -38,13 +38,17 @@ def conversion(init_from, device, meta, data_dir, config, given):
     if config['attn'] not in ('mha', 'gqa', 'mqa'):
         fail(f"converting {init_from} pools K/V heads: attn must be mha, gqa or mqa, not {config['attn']!r}")
     if source.get('meta') != meta:  # the same tokens, not only as many
-        fail(f"converting {init_from} needs its vocabulary: it has {cfg.vocab_size} tokens, the data in "
-             f"{data_dir} another ({meta['vocab_size']})")
+        fail(f"converting {init_from} needs its vocabulary: it has {cfg.vocab_size} tokens ({trained_on(source)}), the "
+             f"data in {data_dir} " + ("as many, other ones" if cfg.vocab_size == meta['vocab_size'] else
+                                       f"{meta['vocab_size']:,}"))
+    try:  # the data against the source's block_size (train.py checked the flags')
+        open_data(data_dir, cfg.block_size, remake)
+    except PrepareError as e:
+        fail(str(e))
     own = {'attn': config['attn'], 'n_kv_head': config['n_kv_head'], 'match_mha_params': False, 'dropout': config['dropout']}
     shape = {k: v for k, v in vars(cfg).items() if k != 'vocab_size'}
-    flags = {a[2:].partition('=')[0] for a in sys.argv[1:] if a.startswith('--')}  # (the rest: config files')
-    conflicts = [f"{'--' * (k in flags)}{k}={config[k]}{' of a config file' * (k not in flags)} (the checkpoint has {v})"
-                 for k, v in shape.items() if k in given and k not in own and config[k] != v]
+    conflicts = [(f"--{k}={config[k]}" if given[k].startswith('--') else f"{k}={config[k]} of {given[k]}") +
+                 f" (the checkpoint has {v})" for k, v in shape.items() if k in given and k not in own and config[k] != v]
     if conflicts:
         fail(f"converting {init_from} keeps its shape: drop {', '.join(conflicts)}")
     print(f"the shape of {init_from}: " + ' '.join(f"{k}={shape[k]}" for k in
@@ -56,6 +60,4 @@ def conversion(init_from, device, meta, data_dir, config, given):
         fail(f"converting {init_from}: {e}")
     except (RuntimeError, KeyError, TypeError, AttributeError) as e:  # (crafted files)
         fail(f"cannot convert {init_from}: {describe(e)}")
-    print(f"converted {init_from} ({cfg.attn}, {cfg.n_head} K/V heads) to {gptconf.attn} with {gptconf.n_kv_head} K/V "
-          f"heads by mean-pooling")
     return gptconf, pooled

@@ -96,7 +96,7 @@ seed = 1337                     # every random draw of training is a function of
 config_keys = [k for k, v in globals().items() if not k.startswith('_') and isinstance(v, (int, float, bool, str))]
 memory_errors_in_one_line()
 on_closed_output(interrupts)  # `| head`, a closed terminal: an interrupt
-given = set()  # the keys a config file or flag set
+given = {}  # the keys a config file or flag set: what set each last
 config = configure({k: globals()[k] for k in config_keys}, sys.argv[1:], __file__, given)
 globals().update(config)
 model_keys = [f.name for f in fields(GPTConfig) if f.name != 'vocab_size']
@@ -113,7 +113,10 @@ check_train(config, DATA, previous, remake)  # the model's fields by GPTConfig's
 # DDP: one process per device, launched by torchrun
 ddp = int(os.environ.get('RANK', -1)) != -1
 if ddp:
-    dist.init_process_group(backend=backend or ('nccl' if device.startswith('cuda') else 'gloo'))
+    try:
+        dist.init_process_group(backend=backend or ('nccl' if device.startswith('cuda') else 'gloo'))
+    except (ValueError, RuntimeError) as e:  # RANK set outside torchrun: no WORLD_SIZE, MASTER_ADDR, peers
+        fail(f"RANK={os.environ['RANK']} is set but no DDP group can be joined ({describe(e)}): use torchrun or unset it")
     ddp_rank, ddp_local_rank, ddp_world_size = dist.get_rank(), int(os.environ['LOCAL_RANK']), dist.get_world_size()
     if device.startswith('cuda'):
         device = f'cuda:{ddp_local_rank}'
@@ -184,7 +187,7 @@ if resuming:
              f"(raise max_iters to continue, or --eval_only=True to evaluate it)")
     print(f"resuming from {resume_path} at iteration {iter_num}")
 elif converting:  # MHA -> GQA/MQA: mean-pool the K/V heads of init_from/ckpt.pt, then train on
-    gptconf, converted = conversion(init_from, device, meta, data_dir, config, given)
+    gptconf, converted = conversion(init_from, device, meta, data_dir, remake, config, given)
     asked = SimpleNamespace(**config)  # the flags: a model of the source's shape (gptconf) may differ from them
 block_size = gptconf.block_size  # (a converted model: its source's)
 tokens_per_iter = gradient_accumulation_steps * ddp_world_size * batch_size * block_size
@@ -202,8 +205,10 @@ try:  # weights or an optimizer state of another shape: one line
         load_optimizer(optimizer, checkpoint['optimizer'])
     if converting:
         model.load_state_dict(converted)
+        print(f"converted {init_from} (mha, {gptconf.n_head} K/V heads) to {attn} with {gptconf.n_kv_head} K/V heads "
+              f"by mean-pooling")
 except (RuntimeError, ValueError, KeyError, TypeError, AttributeError) as e:  # (crafted files too)
-    fail(f"cannot resume from {resume_path}: {describe(e)}" if resuming else f"cannot convert {init_from}: {e}")
+    fail(f"cannot {f'resume from {resume_path}' if resuming else f'convert {init_from}'}: {describe(e)}")
 wandb_run = run.wandb = WandB(checkpoint, iter_num)  # a resume continues its W&B run, as one (wandb_run.py)
 checkpoint = converted = None  # free up memory
 raw_model = model

@@ -115,10 +115,12 @@ def test_a_cpu_preset_conversion_takes_the_source_shape_and_resumes_as_printed(t
                          text=True)
     assert bad.returncode == 2 and bad.stderr.strip() == \
         f"error: converting {tmp_path / 'mha'} keeps its shape: drop --n_layer=3 (the checkpoint has 4)"
-    (tmp_path / 'shape.py').write_text('n_layer = 3\n')  # the same from a config file: named as the file's, not a flag
-    bad = subprocess.run([sys.executable, 'train.py', *quick, str(tmp_path / 'shape.py'), f'--init_from={tmp_path / "mha"}',
-                          f'--out_dir={tmp_path / "x"}', f'--data_dir={char_data}'], cwd=ROOT, capture_output=True, text=True)
-    assert bad.stderr.strip().endswith("keeps its shape: drop n_layer=3 of a config file (the checkpoint has 4)"), bad.stderr
+    # a config file's value, even the one already in effect (6, the default), after a flag: named as the file's
+    (tmp_path / 'shape.py').write_text('n_layer = 6\n')
+    bad = subprocess.run([sys.executable, 'train.py', *quick, '--n_layer=2', str(tmp_path / 'shape.py'),
+                          f'--init_from={tmp_path / "mha"}', f'--out_dir={tmp_path / "x"}', f'--data_dir={char_data}'],
+                         cwd=ROOT, capture_output=True, text=True)
+    assert bad.stderr.strip().endswith(f"drop n_layer=6 of {tmp_path / 'shape.py'} (the checkpoint has 4)"), bad.stderr
     out, _ = interrupted(tmp_path / 'gqa', char_data, f'--init_from={tmp_path / "mha"}', '--eval_interval=1000', base=quick)
     assert re.search(r"^the shape of .*mha: block_size=64 n_layer=4 n_head=4 n_embd=128 ", out, re.M), out
     assert "tokens per iteration will be: 256\n" in out  # 4 x 64: the checkpoint's block_size

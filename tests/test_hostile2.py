@@ -9,6 +9,7 @@ import subprocess
 import sys
 import time
 
+import pytest
 import torch
 
 from conftest import ROOT, SHAKESPEARE
@@ -184,3 +185,38 @@ def test_a_resume_into_a_live_run_without_a_checkpoint_names_the_run(tmp_path, c
         assert "no checkpoint (ckpt.pt or last.pt) in out_dir=" in (err := one_line(run(*args)))
         assert "yet: a train.py run is using it" in err
     assert "is using it" not in one_line(run(*args))
+
+
+def test_conversion_and_start_up_hostile_pass(tmp_path, char_data):
+    """Bytes changed inside a checkpoint (torch.load reads most such changes as other weights, or as a pickle it
+    refuses) are named corrupted; a conversion source with a weight missing, or a block_size longer than the data,
+    is one line; so is a RANK left in the environment outside torchrun."""
+    import numpy as np
+    from checkpoint import FileError, read_checkpoint
+    train(tmp_path / 'run', char_data, '--max_iters=2', '--eval_interval=2')
+    good = (tmp_path / 'run' / 'ckpt.pt').read_bytes()
+    for offset in (100, 1500, len(good) // 2, len(good) - 5000):  # the pickle, its tensors
+        changed = bytearray(good)
+        changed[offset:offset + 16] = bytes(b ^ 0x5A for b in changed[offset:offset + 16])
+        (tmp_path / 'flip.pt').write_bytes(changed)
+        with pytest.raises(FileError, match='corrupted'):
+            read_checkpoint(str(tmp_path / 'flip.pt'))
+    state = torch.load(tmp_path / 'run' / 'ckpt.pt', weights_only=True)
+    (tmp_path / 'missing').mkdir()
+    torch.save({**state, 'model': {k: v for k, v in state['model'].items() if 'h.1.mlp.c_fc' not in k}},
+               tmp_path / 'missing' / 'ckpt.pt')
+    r = run('train.py', *TINY, '--attn=gqa', f'--init_from={tmp_path / "missing"}', f'--out_dir={tmp_path / "x"}',
+            f'--data_dir={char_data}', '--max_iters=2')
+    assert 'cannot convert' in one_line(r) and 'Missing key' in r.stderr and not (tmp_path / 'x' / 'ckpt.pt').exists()
+    long_run = ['config/cpu.py', '--n_layer=1', '--n_head=2', '--n_embd=16', '--batch_size=2', '--eval_iters=1']
+    train(tmp_path / 'long', char_data, '--max_iters=1', '--eval_interval=1', '--block_size=300', base=long_run)
+    short = tmp_path / 'short'  # the same vocabulary, a val.bin of 280 tokens: enough for cpu.py's 64, not 300
+    short.mkdir()
+    (short / 'meta.json').write_bytes(open(os.path.join(char_data, 'meta.json'), 'rb').read())
+    (np.arange(2000) % 65).astype(np.uint16).tofile(short / 'train.bin')
+    (np.arange(280) % 65).astype(np.uint16).tofile(short / 'val.bin')
+    r = run('train.py', *long_run, '--attn=gqa', f'--init_from={tmp_path / "long"}', f'--out_dir={tmp_path / "y"}',
+            f'--data_dir={short}', '--max_iters=2')
+    assert 'val.bin has 280 tokens, not more than block_size=300' in one_line(r)
+    r = run('train.py', *TINY, f'--out_dir={tmp_path / "z"}', f'--data_dir={char_data}', env={'RANK': '0'})
+    assert 'use torchrun or unset it' in one_line(r)

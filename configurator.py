@@ -182,10 +182,15 @@ def summary(cfg, params, dtype):
     """The model in one line: layout, parameters, cache bytes per token at block_size, the layers of a hybrid."""
     import torch
     per_token, layers = cfg.cache_bytes(cfg.block_size, getattr(torch, dtype)) / cfg.block_size, cfg.layer_counts()
-    return (f"{cfg.attn}: {params / 1e6:.2f}M parameters, cache {per_token:,.0f} bytes/token at block_size "
-            f"{cfg.block_size} ({dtype})" + (" (a fixed state: the bytes shrink as the context grows)" if not cfg.softmax
-            else "") + (f"; layers: {', '.join(f'{a} x{n}' for a, n in layers.items())}" + " (a fixed state in "
-                        "the linear ones)" * bool(cfg.softmax) if len(layers) > 1 else ""))
+    line = (f"{cfg.attn}: {params / 1e6:.2f}M parameters, cache {per_token:,.0f} bytes/token at block_size "
+            f"{cfg.block_size} ({dtype})")
+    if not cfg.softmax:
+        line += " (a fixed state: the bytes shrink as the context grows)"
+    if len(layers) > 1:  # a hybrid: the pattern repeats over n_layer, so its counts alone can mislead
+        line += f"; layers: {', '.join(f'{a} x{n}' for a, n in layers.items())}"
+        line += f", in order {' '.join(cfg.layouts)}" if cfg.n_layer <= 16 else ""
+        line += " (a fixed state in the linear ones)" if cfg.softmax else ""
+    return line
 
 
 def memory_errors_in_one_line(sizes='batch_size, block_size, the model'):

@@ -1,7 +1,7 @@
 """
 Train one attention layout on tiny Shakespeare (nanoGPT's train.py, one layout switch more).
 
-    python train.py config/gqa.py                                # baby GPT, GQA
+    python train.py config/gqa.py                                # baby GPT, GQA (~20 s an iteration on 2 CPU cores)
     python train.py config/mla.py config/cpu.py                  # nanoGPT's CPU recipe, any layout
     python train.py config/mha.py --batch_size=32 --wandb_log=True
     torchrun --standalone --nproc_per_node=2 train.py config/gqa.py config/cpu.py --gradient_accumulation_steps=2

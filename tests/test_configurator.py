@@ -89,3 +89,20 @@ def test_memory_errors_are_one_line(raised):
     else:
         assert r.returncode == 2 and r.stderr.startswith("error: out of memory (") and r.stderr.count('\n') == 1
         assert r.stderr.rstrip().endswith("try smaller sizes (--batch_size)"), r.stderr
+
+
+def test_the_models_summary_line():
+    """Cache bytes per token from the config at the run's dtype; a hybrid's layers counted and, when few, in order
+    (the pattern repeats over n_layer: 'deltanet*2+mla' on 4 layers is 3 + 1); a fixed state said of what has one."""
+    from configurator import summary
+    from model import GPTConfig
+    sizes = dict(n_layer=4, n_head=4, n_embd=128, block_size=64)
+    hybrid = GPTConfig(attn='deltanet*2+mla', **sizes)
+    line = summary(hybrid, 812_345, 'bfloat16')
+    assert line.startswith(f"deltanet*2+mla: 0.81M parameters, cache "
+                           f"{hybrid.cache_bytes(64, __import__('torch').bfloat16) / 64:,.0f} bytes/token at block_size 64")
+    assert "layers: deltanet x3, mla x1, in order deltanet deltanet mla deltanet (a fixed state in the linear ones)" in line
+    linear = summary(GPTConfig(attn='deltanet*1+gated_deltanet', **sizes), 1, 'float32')
+    assert 'the bytes shrink' in linear and 'in the linear ones' not in linear
+    assert 'layers' not in summary(GPTConfig(attn='gqa', **sizes), 1, 'float32')
+    assert 'in order' not in summary(GPTConfig(attn='deltanet*2+mla', **{**sizes, 'n_layer': 17}), 1, 'float32')

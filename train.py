@@ -142,7 +142,7 @@ ptdtype = {'float32': torch.float32, 'bfloat16': torch.bfloat16, 'float16': torc
 # 16-bit autocast on CPU too: --dtype=bfloat16 must not train float32 while the log reports a 16-bit cache
 ctx = nullcontext() if dtype == 'float32' else torch.autocast(device_type=device_type, dtype=ptdtype)
 
-# data: uint16 token ids, prepared by rank 0 on first use; the memmap is re-opened for every batch (a kept one grows)
+# data: uint16 token ids, prepared by rank 0 on first use; the memmap is re-opened for every batch (one kept grows)
 data_dir = data_dir or os.path.join(DATA, dataset)
 if ddp and not master_process:
     dist.barrier()  # wait for rank 0 to lock out_dir and prepare the data
@@ -153,7 +153,7 @@ except PrepareError as e:
     fail(str(e))
 if ddp and master_process:
     dist.barrier()
-if previous and not resuming and not eval_only and not overwrite:  # (after the data: a broken one first)
+if previous and not resuming and not eval_only and not overwrite:  # (after the data: a broken data set is named first)
     fail(f"{previous[0]} exists: continue that run with --init_from=resume, replace it with --overwrite=True, "
          f"or pass another --out_dir")
 
@@ -209,7 +209,7 @@ try:  # weights or an optimizer state of another shape: one line
               f"by mean-pooling")
 except (RuntimeError, ValueError, KeyError, TypeError, AttributeError) as e:  # (crafted files too)
     fail(f"cannot {f'resume from {resume_path}' if resuming else f'convert {init_from}'}: {describe(e)}")
-wandb_run = run.wandb = WandB(checkpoint, iter_num)  # a resume continues its W&B run, as one (wandb_run.py)
+wandb_run = run.wandb = WandB(checkpoint, iter_num)  # a resume continues its W&B run; run.log forwards rows to it
 checkpoint = converted = None  # free up memory
 raw_model = model
 if compile:
@@ -282,7 +282,9 @@ local_iter_num, running_mfu, stop = 0, -1.0, False
 step_time, eval_time = None, 0.0  # recent seconds per step and per evaluation (with its sample and save): the ETA
 if compile:
     print("compiling the model: the first iteration is slow (minutes on a CPU)", flush=True)
-ckpt_stale = resuming and os.path.basename(resume_path) == 'last.pt'  # ckpt.pt lacks these weights
+ckpt_stale = resuming and os.path.basename(resume_path) == 'last.pt'  # ckpt.pt lacks the current weights (after any step)
+# each iteration: the lr; an evaluation (every eval_interval and at the end), saved if best; a stop if interrupted or
+# max_iters steps are done (max_iters steps in all, then a last evaluation); else one step and its log line
 while True:
     lr = get_lr(iter_num) if decay_lr else learning_rate
     for param_group in optimizer.param_groups:
@@ -320,7 +322,7 @@ while True:
                 save(run.ckpt, losses['val'])
                 ckpt_stale = False
         eval_time = time.time() - t_eval
-        t0 += eval_time  # the step's time without the evaluation
+        t0 += eval_time  # dt: the step's time without the evaluation (nanoGPT's includes it)
     if eval_only:
         break
     stop = interrupts.requested(device)  # once per iteration on every rank: a collective under DDP
@@ -340,8 +342,8 @@ while True:
         with ctx:
             logits, loss = model(X, Y)
             loss = loss / gradient_accumulation_steps
-        later, micro = divmod(micro_step + 1, gradient_accumulation_steps)  # the next micro-batch, prefetched
-        X, Y = get_batch('train', draw(iter_num + later, micro))  # while the GPU works
+        ahead, micro = divmod(micro_step + 1, gradient_accumulation_steps)  # the next micro-batch: of this iteration
+        X, Y = get_batch('train', draw(iter_num + ahead, micro))  # or the next's first, prefetched while the GPU works
         if not torch.isfinite(loss):
             fail(f"loss is {loss.item()} at iteration {iter_num}; stopped, {kept(out_dir)} (try a lower learning_rate)")
         scaler.scale(loss).backward()

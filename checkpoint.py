@@ -143,8 +143,8 @@ def read_checkpoint(path, device='cpu', keys=('model', 'model_args')):
             unpickler = ' '.join(str(e).split('Unpickler error:')[-1].split('Check the documentation')[0].split())
             reason = f"not a file of tensors that loads safely ({unpickler[:120]})"
         raise FileError(f"cannot load checkpoint {path}: {reason}") from None
-    if damaged(path):  # torch.load reads a changed byte as a changed weight
-        raise FileError(f"cannot load checkpoint {path}: corrupted: {damaged(path)} fails its CRC check")
+    if part := damaged(path):  # torch.load reads a changed byte as a changed weight
+        raise FileError(f"cannot load checkpoint {path}: corrupted: {part} fails its CRC check")
     kinds = {'model': dict, 'optimizer': dict, 'model_args': dict, 'iter_num': int, 'best_val_loss': float}
     wrong = [k for k in keys if not isinstance(ckpt, dict) or not isinstance(ckpt.get(k), kinds[k])]
     wrong += [k for k, ok in (('iter_num', lambda v: v >= 0), ('best_val_loss', lambda v: v == v)) if k in keys

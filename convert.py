@@ -41,10 +41,11 @@ def conversion(init_from, device, meta, data_dir, remake, config, given):
         fail(f"converting {init_from} needs its vocabulary: it has {cfg.vocab_size} tokens ({trained_on(source)}), the "
              f"data in {data_dir} " + ("as many, other ones" if cfg.vocab_size == meta['vocab_size'] else
                                        f"{meta['vocab_size']:,}"))
-    try:  # the data against the source's block_size (train.py checked the flags')
-        open_data(data_dir, cfg.block_size, remake)
-    except PrepareError as e:
-        fail(str(e))
+    if cfg.block_size > config['block_size']:  # the data against the source's block_size (train.py checked the flags')
+        try:
+            open_data(data_dir, cfg.block_size, remake)
+        except PrepareError as e:
+            fail(str(e))
     own = {'attn': config['attn'], 'n_kv_head': config['n_kv_head'], 'match_mha_params': False, 'dropout': config['dropout']}
     shape = {k: v for k, v in vars(cfg).items() if k != 'vocab_size'}
     conflicts = [(f"--{k}={config[k]}" if given[k].startswith('--') else f"{k}={config[k]} of {given[k]}") +

@@ -47,20 +47,20 @@ class Interrupts:
     checks at every iteration and between evaluation batches."""
 
     def __init__(self):
-        self.flag, self.at_once = False, True
-        self.left = lambda: "nothing was written"  # Run's discard(): what an early stop leaves, after removing its files
+        self.flag, self.immediate = False, True
+        self.discard = lambda: "nothing was written"  # Run.discard: removes what the run made, says what is left
         for name in ('SIGINT', 'SIGTERM', 'SIGHUP'):  # (Windows has no SIGHUP)
             if hasattr(signal, name):
                 signal.signal(getattr(signal, name), self)
 
     def __call__(self, signum=None, frame=None):
         self.flag = True
-        if self.at_once:
+        if self.immediate:
             self.stop()
 
     def stop(self):
         try:  # os.write, not print: a handler may run inside a print
-            os.write(2, f"error: interrupted before training started; {self.left()}\n".encode())
+            os.write(2, f"error: interrupted before training started; {self.discard()}\n".encode())
         except OSError:
             pass
         os._exit(130)
@@ -68,9 +68,9 @@ class Interrupts:
     @contextmanager
     def deferred(self):
         """A start-up step that writes files (preparing data, W&B's init): an interrupt waits for its end."""
-        self.at_once = False
+        self.immediate = False
         yield
-        self.at_once = True
+        self.immediate = True
         if self.flag:
             self.stop()
 

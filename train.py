@@ -99,7 +99,6 @@ on_closed_output(interrupts)  # `| head`, a closed terminal: an interrupt
 given = {}  # the keys a config file or flag set: what set each last
 config = configure({k: globals()[k] for k in config_keys}, sys.argv[1:], __file__, given)
 globals().update(config)
-model_keys = [f.name for f in fields(GPTConfig) if f.name != 'vocab_size']
 # -----------------------------------------------------------------------------
 # every value checked before any work: one line and exit 2 for the first that is wrong
 resuming, converting = init_from == 'resume', init_from not in ('scratch', 'resume')  # else an MHA out_dir to convert
@@ -125,15 +124,12 @@ if ddp:
     if not master_process:  # when rank 0 stops (its own line says why), the others' next collective fails: one line
         sys.excepthook = lambda kind, e, tb: print(f"error: rank {ddp_rank}: {describe(e)} (if rank 0 stopped first, "
                                                    "its error says why)", file=sys.stderr)
-    if gradient_accumulation_steps % ddp_world_size:
-        fail(f"gradient_accumulation_steps={gradient_accumulation_steps} must be a multiple of the "
-             f"{ddp_world_size} DDP processes")
-    gradient_accumulation_steps //= ddp_world_size
+    gradient_accumulation_steps //= ddp_world_size  # (a multiple of it: check_train)
 else:
     ddp_rank, ddp_world_size, master_process = 0, 1, True
 # out_dir's files, on rank 0 (eval_only writes nothing): locked from here on, written from the first step on
 run = Run(out_dir, resuming, writes=master_process and not eval_only)
-interrupts.left = run.discard  # an interrupt before the first step removes what the run made (lock, W&B folder)
+interrupts.discard = run.discard  # an interrupt before the first step removes what the run made (lock, W&B folder)
 torch.manual_seed(seed + ddp_rank)
 torch.backends.cuda.matmul.allow_tf32 = True
 torch.backends.cudnn.allow_tf32 = True
@@ -159,9 +155,8 @@ if previous and not resuming and not eval_only and not overwrite:  # (after the 
 
 
 def draw(*key):
-    """A generator seeded by (seed, rank, *key): every random draw of training is a pure function of the
-    iteration, so a resumed run (DDP too) draws exactly what the uninterrupted run would have; no RNG
-    state needs saving. Integer tuples hash the same in every process."""
+    """A generator seeded by (seed, rank, *key): every random draw of training is a function of the iteration, so a
+    resumed run (DDP too) draws what the uninterrupted run would have, with no RNG state saved (int tuples hash alike)."""
     return torch.Generator().manual_seed(hash((seed, ddp_rank) + key) % 2 ** 63)
 
 
@@ -176,11 +171,12 @@ def get_batch(split, generator):
 
 
 # model: from scratch, resumed (from the later of ckpt.pt and last.pt), or converted from an MHA checkpoint
-iter_num, best_val_loss, checkpoint = 0, 1e9, {}
-if not converting:  # the model the flags ask for (asked): a resume must match it
-    asked = gptconf = GPTConfig(vocab_size=meta['vocab_size'], **{k: config[k] for k in model_keys})
+iter_num, best_val_loss, checkpoint, shape_flags = 0, 1e9, {}, []
+if not converting:  # the model the flags ask for: a resume must match it
+    gptconf = GPTConfig(vocab_size=meta['vocab_size'], **{f.name: config[f.name] for f in fields(GPTConfig)
+                                                          if f.name in config})
 if resuming:
-    resume_path, checkpoint = resume_state(out_dir, device, meta, asked, data_dir)
+    resume_path, checkpoint = resume_state(out_dir, device, meta, gptconf, data_dir)
     iter_num, best_val_loss = checkpoint['iter_num'], checkpoint['best_val_loss']
     if iter_num > max_iters and not eval_only:
         fail(f"{resume_path} is at iteration {iter_num}, past max_iters={max_iters}: nothing to train "
@@ -188,7 +184,7 @@ if resuming:
     print(f"resuming from {resume_path} at iteration {iter_num}")
 elif converting:  # MHA -> GQA/MQA: mean-pool the K/V heads of init_from/ckpt.pt, then train on
     gptconf, converted = conversion(init_from, device, meta, data_dir, remake, config, given)
-    asked = SimpleNamespace(**config)  # the flags: a model of the source's shape (gptconf) may differ from them
+    shape_flags = model_flags(gptconf, SimpleNamespace(**config))  # its source's shape: a resume must say it
 block_size = gptconf.block_size  # (a converted model: its source's)
 tokens_per_iter = gradient_accumulation_steps * ddp_world_size * batch_size * block_size
 check_train_memory(gptconf, batch_size, dtype, device)  # counted before anything is built
@@ -213,6 +209,7 @@ wandb_run = run.wandb = WandB(checkpoint, iter_num)  # a resume continues its W&
 checkpoint = converted = None  # free up memory
 raw_model = model
 if compile:
+    print("compiling the model: the first iteration is slow (minutes on a CPU)", flush=True)
     model = torch.compile(model)
 if ddp:
     # no buffer sync at each forward: the model has no buffers (RoPE is computed per forward)
@@ -271,7 +268,7 @@ if wandb_log and run.writes:
         wandb_run.start(config, gptconf, {'params': raw_model.get_num_params(), 'cache_bytes_per_token':
                         cache_bytes_per_token}, resumed_at=iter_num if resuming else None)
 
-interrupts.at_once = False  # from here on an interrupt is a flag, checked at every iteration
+interrupts.immediate = False  # from here on an interrupt is a flag, checked at every iteration
 if interrupts.requested(device):  # (one during W&B's init, on any rank)
     interrupts.stop()
 
@@ -280,8 +277,6 @@ X, Y = get_batch('train', draw(iter_num, 0))  # micro-batch 0 of iteration iter_
 t0 = time.time()
 local_iter_num, running_mfu, stop = 0, -1.0, False
 step_time, eval_time = None, 0.0  # recent seconds per step and per evaluation (with its sample and save): the ETA
-if compile:
-    print("compiling the model: the first iteration is slow (minutes on a CPU)", flush=True)
 ckpt_stale = resuming and os.path.basename(resume_path) == 'last.pt'  # ckpt.pt lacks the current weights (after any step)
 # each iteration: the lr; an evaluation (every eval_interval and at the end), saved if best; a stop if interrupted or
 # max_iters steps are done (max_iters steps in all, then a last evaluation); else one step and its log line
@@ -294,13 +289,12 @@ while True:
     if (iter_num % eval_interval == 0 or iter_num >= max_iters or eval_only) and master_process:  # and at the end
         print(f"step {iter_num}/{max_iters}: evaluating ({eval_iters} batches of train and of val)", flush=True)
         losses = estimate_loss()  # None if interrupted during it: dropped, the interrupt is handled below
-        eval_seconds = time.time() - t_eval
         if losses is None and eval_only:
             print("error: interrupted during the evaluation; nothing was written", file=sys.stderr)
             sys.exit(130)
     if losses:
         print(f"step {iter_num}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f} "
-              f"(evaluated in {duration(eval_seconds)})")
+              f"(evaluated in {duration(time.time() - t_eval)})")
         if (sample_every_eval or wandb_run.api) and decode:  # as `sample.py --seed=<seed + iteration>` samples the weights
             raw_model.eval()
             with ctx:
@@ -330,7 +324,7 @@ while True:
         if master_process and local_iter_num > 0 and (stop or ckpt_stale):
             save(run.last)
         if stop:
-            run.interrupted(iter_num, resume_command(ddp and ddp_world_size, model_flags(gptconf, asked)))
+            run.interrupted(iter_num, resume_command(ddp and ddp_world_size, shape_flags))
         else:
             run.first_write(iter_num)  # a finished run writes its log, even one with nothing to train (max_iters=0)
         break
@@ -344,8 +338,6 @@ while True:
             loss = loss / gradient_accumulation_steps
         ahead, micro = divmod(micro_step + 1, gradient_accumulation_steps)  # the next micro-batch: of this iteration
         X, Y = get_batch('train', draw(iter_num + ahead, micro))  # or the next's first, prefetched while the GPU works
-        if not torch.isfinite(loss):
-            fail(f"loss is {loss.item()} at iteration {iter_num}; stopped, {kept(out_dir)} (try a lower learning_rate)")
         scaler.scale(loss).backward()
     if grad_clip != 0.0:
         scaler.unscale_(optimizer)
@@ -362,7 +354,9 @@ while True:
         print(f"compiled: the first iteration took {duration(dt)}")
     step_time = None if local_iter_num == 0 else step_time * 0.9 + dt * 0.1 if step_time else dt  # (not the warm-up)
     if iter_num % log_interval == 0 and master_process:
-        lossf = loss.item() * gradient_accumulation_steps
+        lossf = loss.item() * gradient_accumulation_steps  # (read here only: a read is a wait for the GPU)
+        if not math.isfinite(lossf):  # nothing saved since it (an evaluation or a save would have stopped first)
+            fail(f"loss is {lossf} at iteration {iter_num}; stopped, {kept(out_dir)} (try a lower learning_rate)")
         if local_iter_num >= 5 and device_type == 'cuda':  # let the loop settle; the A100 peak means nothing on a CPU
             mfu = flops_per_token * batch_size * gradient_accumulation_steps * block_size / dt / 312e12
             running_mfu = mfu if running_mfu == -1.0 else 0.9 * running_mfu + 0.1 * mfu

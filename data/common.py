@@ -53,8 +53,8 @@ def check_meta(meta):
         raise ValueError("meta has no vocab_size in [1, 65536] (token ids are uint16)")
     if meta.get('kind') == 'char':
         if not (isinstance(meta.get('itos'), list) and len(meta['itos']) == meta['vocab_size']
-                and all(isinstance(c, str) for c in meta['itos'])):
-            raise ValueError(f"meta's itos should list vocab_size={meta['vocab_size']} characters")
+                and all(isinstance(c, str) and len(c) == 1 for c in meta['itos'])):
+            raise ValueError(f"meta's itos should list vocab_size={meta['vocab_size']} characters (strings of length 1)")
     elif meta.get('kind') != 'tiktoken' or not isinstance(meta.get('encoding'), str):
         raise ValueError(f"meta's kind {meta.get('kind')!r} should be 'char' (with itos) or 'tiktoken' (with encoding)")
     return meta

@@ -190,7 +190,8 @@ def test_a_resume_into_a_live_run_without_a_checkpoint_names_the_run(tmp_path, c
 def test_conversion_and_start_up_hostile_pass(tmp_path, char_data):
     """Bytes changed inside a checkpoint (torch.load reads most such changes as other weights, or as a pickle it
     refuses) are named corrupted; a conversion source with a weight missing, or a block_size longer than the data,
-    is one line; so is a RANK left in the environment outside torchrun."""
+    is one line; so is a RANK left in the environment outside torchrun, and a gradient_accumulation_steps that
+    torchrun's processes cannot share."""
     import numpy as np
     from checkpoint import FileError, read_checkpoint
     train(tmp_path / 'run', char_data, '--max_iters=2', '--eval_interval=2')
@@ -220,3 +221,7 @@ def test_conversion_and_start_up_hostile_pass(tmp_path, char_data):
     assert 'val.bin has 280 tokens, not more than block_size=300' in one_line(r)
     r = run('train.py', *TINY, f'--out_dir={tmp_path / "z"}', f'--data_dir={char_data}', env={'RANK': '0'})
     assert 'use torchrun or unset it' in one_line(r)
+    r = run('train.py', *TINY, f'--out_dir={tmp_path / "z"}', f'--data_dir={char_data}', '--gradient_accumulation_steps=3',
+            env={'RANK': '0', 'WORLD_SIZE': '2'})  # torchrun's 2 processes: checked before any work
+    assert 'gradient_accumulation_steps=3 must be a multiple of the 2 DDP processes' in one_line(r)
+    assert not (tmp_path / 'z').exists()

@@ -66,6 +66,8 @@ def broken_checkpoint(tmp, trained, kind):
         del ckpt['meta']['kind']
     elif kind == 'shortitos':
         ckpt['meta']['itos'] = ckpt['meta']['itos'][:5]
+    elif kind == 'wideitos':  # a token of 2 characters: not a character vocabulary
+        ckpt['meta']['itos'] = ['ab'] + ckpt['meta']['itos'][1:]
     d = tmp / f'ckpt-{kind}'
     d.mkdir()
     torch.save(ckpt, d / 'ckpt.pt')
@@ -198,6 +200,7 @@ SAMPLE_CASES = [  # (prompt and sampling values: tests/test_sample.py)
     (['--out_dir=EMPTY'], "cannot load checkpoint"),
     (['--out_dir=NOKIND'], "meta's kind None should be 'char' (with itos) or 'tiktoken'"),
     (['--out_dir=SHORTITOS'], "meta's itos should list vocab_size=65 characters"),
+    (['--out_dir=WIDEITOS'], "meta's itos should list vocab_size=65 characters (strings of length 1)"),
     (['--start=FILE:LATIN1'], "is not UTF-8 text (byte 10)"),
     (['--device=foo'], "device='foo' should be cpu, cuda or cuda:N"),
     (['--seed=99999999999999999999999'], "seed=99999999999999999999999 must be in [0, 2**62)"),
@@ -214,7 +217,8 @@ def test_sample_bad_input(tmp_path, trained, args, message):
     (tmp_path / 'latin1.txt').write_bytes('ROMEO: caf\u00e9'.encode('latin-1'))
     subst = {'CORRUPT': lambda: tmp_path, 'EMPTY': lambda: tmp_path / 'empty', 'LATIN1': lambda: tmp_path / 'latin1.txt',
              'NOKIND': lambda: broken_checkpoint(tmp_path, trained, 'nokind'),
-             'SHORTITOS': lambda: broken_checkpoint(tmp_path, trained, 'shortitos')}
+             'SHORTITOS': lambda: broken_checkpoint(tmp_path, trained, 'shortitos'),
+             'WIDEITOS': lambda: broken_checkpoint(tmp_path, trained, 'wideitos')}
     argv = [re.sub('|'.join(subst), lambda m: str(subst[m.group(0)]()), a) for a in args]
     r = subprocess.run([sys.executable, 'sample.py', f'--out_dir={trained}', *argv], cwd=ROOT,
                        capture_output=True, text=True, timeout=120)

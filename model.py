@@ -573,7 +573,8 @@ class GPT(nn.Module):
         the cache the tokens are the same. Pass a cache to inspect it after."""
         if idx.size(1) == 0:
             raise ValueError("empty prompt: generation needs at least one token to condition on")
-        block_size = self.config.block_size
+        block_size = self.config.block_size  # below: the prompt as the tokens sampled are (an inference tensor, contiguous),
+        idx = idx.clone(memory_format=torch.contiguous_format)  # else torch.compile makes a graph for its prefill alone
         start = max(0, idx.size(1) - block_size)  # idx[:, start:] is the window
         new = idx[:, start:]  # the tokens the cache has not seen: the window, then 1 token a step
         cache = (self.init_cache(idx.size(0)) if cache is None else cache) if use_cache else None

@@ -101,6 +101,10 @@ def test_in_place_compile_reaches_generation():
     model.compile(backend='eager', fullgraph=True)
     assert torch.equal(model.generate(prompt, 6, temperature=0), eager) and counters['stats']['unique_graphs'] > 0
     torch._dynamo.reset()
+    counters.clear()  # a 1-token prompt (sample.py's newline) into a static cache: its prefill is a decode step's graph
+    list(model.stream(prompt[:, :1], 6, temperature=0, cache=model.init_cache(1, static=True)))
+    assert counters['stats']['unique_graphs'] == 1  # (2 when the prompt was not an inference tensor as the tokens are)
+    torch._dynamo.reset()
 
 
 @pytest.mark.parametrize('backend', ['FLASH_ATTENTION', 'MATH'])

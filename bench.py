@@ -185,7 +185,7 @@ def train_report(args):
             (step_time_vs_nanogpt(args.nanogpt, args.layouts) if args.nanogpt else '') +
             "\n![val loss curves](train_val_loss.png)\n")
 
-def step_time_vs_nanogpt(nanogpt_path, layouts=(), rounds=12, steps=10):
+def step_time_vs_nanogpt(nanogpt_path, layouts=(), rounds=30, steps=10):
     """The training step of nanoGPT's model.py at nanogpt_path, of our MHA and of each of layouts (config/NAME.py's
     attn and MLP), the models taking turns: a table, with each step's ratio to nanoGPT's and to our MHA's."""
     ng = runpy.run_path(nanogpt_path)  # its GPT, GPTConfig
@@ -208,12 +208,17 @@ def step_time_vs_nanogpt(nanogpt_path, layouts=(), rounds=12, steps=10):
     opts = {k: torch.optim.AdamW(m.parameters(), lr=1e-3, betas=(0.9, 0.99), weight_decay=0.1) for k, m in models.items()}
     times = take_turns({k: lambda k=k: train(models[k], opts[k]) for k in models}, 'cpu', rounds + 1)
     ms = {k: [s / steps * 1000 for s in v[1:]] for k, v in times.items()}  # round 0: the warm-up
-    ratio = lambda k, to: f"{statistics.median(a / b for a, b in zip(ms[k], ms[to])):.3f}"
+    ratios = lambda k, to: [a / b for a, b in zip(ms[k], ms[to])]  # each round's
+    ratio = lambda k, to: f"{statistics.median(ratios(k, to)):.3f}"
+    mha = 'ours, mha, RoPE (default)'
+    spread = lambda k: '-'.join(f"{q:.2f}" for q in statistics.quantiles(ratios(k, mha), n=4)[::2])  # the middle half
     return (f"\nTraining-step time on the same recipe, models taking turns in one process (medians of {rounds} "
             f"rounds x {steps} steps; the ratios: the median of each round's ratio):\n\n" +
             table(['model', 'ms/step', 'vs nanoGPT', 'vs our MHA'], [
-                f"| {k} | {statistics.median(v):.2f} | {ratio(k, 'nanoGPT')} | {ratio(k, 'ours, mha, RoPE (default)')} |"
-                for k, v in ms.items()]))
+                f"| {k} | {statistics.median(v):.2f} | {ratio(k, 'nanoGPT')} | {ratio(k, mha)} |"
+                for k, v in ms.items()]) +
+            f"\nHow much a ratio moves from round to round, the middle half of the {rounds} rounds' ratios to our MHA: " +
+            "; ".join(f"{k.removeprefix('ours, ')} {spread(k)}" for k in ms if k != mha) + ".\n")
 
 def convert_report(args):
     """Ainslie et al. 2023: MHA; GQA and MQA from scratch, and mean-pooled from MHA then uptrained (CPU preset)."""

@@ -4,7 +4,7 @@ bench.py find and read checkpoints here; W&B's run (its folder, resumed as one r
 
     ckpt.pt        the best weights by val loss (--always_save_checkpoint: the latest evaluated); sample.py reads
                    it, or last.pt when there is none
-    last.pt        where an interrupt or the end stopped, when ckpt.pt does not hold it
+    last.pt        where an interrupt stopped, or the end when ckpt.pt does not hold it
     metrics.jsonl  one strict-JSON row per log line (non-finite numbers null), iterations never going back
     train.lock     held while a run lives: a second run into the same out_dir is refused
 

@@ -52,7 +52,7 @@ wandb_log = False               # log to Weights & Biases too (metrics.jsonl alw
 wandb_project = 'attention-layouts'
 wandb_run_name = ''             # '' = <attn>-<time>; the layout is always in the name
 wandb_mode = ''                 # online / offline / disabled; '' = $WANDB_MODE, else offline without credentials
-wandb_log_checkpoint = False    # with wandb_log: ckpt.pt (the best weights) as a W&B artifact at the end
+wandb_log_checkpoint = False    # with wandb_log: ckpt.pt as a W&B artifact when the run ends
 # data
 dataset = 'shakespeare_char'    # shakespeare_char (65 characters) or shakespeare (GPT-2 BPE)
 data_dir = ''                   # '' = data/<dataset>, prepared on first use; a folder given must hold train.bin
@@ -82,7 +82,7 @@ weight_decay = 1e-1             # AdamW decay of 2-D weights (not biases, norms)
 beta1 = 0.9                     # AdamW betas
 beta2 = 0.99                    # (0.99: small batches, as nanoGPT's shakespeare_char)
 grad_clip = 1.0                 # 0 = off
-decay_lr = True                 # False = constant learning_rate after the warmup
+decay_lr = True                 # False = a constant learning_rate (no warmup either)
 warmup_iters = 100              # linear warmup from 0 to learning_rate
 lr_decay_iters = 5000           # cosine decay reaches min_lr here (~max_iters)
 min_lr = 1e-4                   # the learning rate at and after lr_decay_iters
@@ -100,12 +100,12 @@ given = {}  # the keys a config file or flag set: what set each last
 config = configure({k: globals()[k] for k in config_keys}, sys.argv[1:], __file__, given)
 globals().update(config)
 # -----------------------------------------------------------------------------
-# every value checked before any work: one line and exit 2 for the first that is wrong
+# the flags checked before any work (the data, a resume, a conversion: once read): one line and exit 2
 resuming, converting = init_from == 'resume', init_from not in ('scratch', 'resume')  # else an MHA out_dir to convert
 previous = checkpoints(out_dir)
 DATA = os.path.join(os.path.dirname(os.path.abspath(__file__)), 'data')
 remake = f"python data/{dataset}/prepare.py --input FILE --out_dir {data_dir}" if data_dir else "delete it and run again"
-# (remake: how to make data_dir's files anew, for the messages that find them missing or broken)
+# (remake: how the messages that find data_dir's files missing or broken say to make them anew)
 check_device(device, dtype)
 check_train(config, DATA, previous, remake)  # the model's fields by GPTConfig's own table, then train.py's values
 
@@ -124,10 +124,10 @@ if ddp:
     if not master_process:  # when rank 0 stops (its own line says why), the others' next collective fails: one line
         sys.excepthook = lambda kind, e, tb: print(f"error: rank {ddp_rank}: {describe(e)} (if rank 0 stopped first, "
                                                    "its error says why)", file=sys.stderr)
-    gradient_accumulation_steps //= ddp_world_size  # (a multiple of it: check_train)
+    gradient_accumulation_steps //= ddp_world_size  # per process from here on (a multiple: check_train)
 else:
     ddp_rank, ddp_world_size, master_process = 0, 1, True
-# out_dir's files, on rank 0 (eval_only writes nothing): locked from here on, written from the first step on
+# out_dir's files, on rank 0 (eval_only writes nothing): locked from here on, written from the first step or save on
 run = Run(out_dir, resuming, writes=master_process and not eval_only)
 interrupts.discard = run.discard  # an interrupt before the first step removes what the run made (lock, W&B folder)
 torch.manual_seed(seed + ddp_rank)
@@ -154,9 +154,9 @@ if previous and not resuming and not eval_only and not overwrite:  # (after the 
          f"or pass another --out_dir")
 
 
-def draw(*key):
-    """A generator seeded by (seed, rank, *key): every random draw of training is a function of the iteration, so a
-    resumed run (DDP too) draws what the uninterrupted run would have, with no RNG state saved (int tuples hash alike)."""
+def rng(*key):
+    """A generator seeded by (seed, rank, *key): every random draw of training is a function of the iteration, so
+    a resumed run (DDP too) draws what the uninterrupted one would, no RNG state saved (int tuples hash alike)."""
     return torch.Generator().manual_seed(hash((seed, ddp_rank) + key) % 2 ** 63)
 
 
@@ -172,7 +172,10 @@ def get_batch(split, generator):
 
 # model: from scratch, resumed (from the later of ckpt.pt and last.pt), or converted from an MHA checkpoint
 iter_num, best_val_loss, checkpoint, shape_flags = 0, 1e9, {}, []
-if not converting:  # the model the flags ask for: a resume must match it
+if converting:  # MHA -> GQA/MQA: mean-pool the K/V heads of init_from/ckpt.pt, then train on
+    gptconf, converted = conversion(init_from, device, meta, data_dir, remake, config, given)
+    shape_flags = model_flags(gptconf, SimpleNamespace(**config))  # its source's shape: a resume must say it
+else:  # the model the flags ask for: a resume must match it
     gptconf = GPTConfig(vocab_size=meta['vocab_size'], **{f.name: config[f.name] for f in fields(GPTConfig)
                                                           if f.name in config})
 if resuming:
@@ -182,9 +185,6 @@ if resuming:
         fail(f"{resume_path} is at iteration {iter_num}, past max_iters={max_iters}: nothing to train "
              f"(raise max_iters to continue, or --eval_only=True to evaluate it)")
     print(f"resuming from {resume_path} at iteration {iter_num}")
-elif converting:  # MHA -> GQA/MQA: mean-pool the K/V heads of init_from/ckpt.pt, then train on
-    gptconf, converted = conversion(init_from, device, meta, data_dir, remake, config, given)
-    shape_flags = model_flags(gptconf, SimpleNamespace(**config))  # its source's shape: a resume must say it
 block_size = gptconf.block_size  # (a converted model: its source's)
 tokens_per_iter = gradient_accumulation_steps * ddp_world_size * batch_size * block_size
 check_train_memory(gptconf, batch_size, dtype, device)  # counted before anything is built
@@ -231,7 +231,7 @@ def estimate_loss():
         gen = torch.Generator().manual_seed(seed + 1000 * (split == 'val'))  # the same batches every time
         losses = []
         for k in range(eval_iters):
-            if interrupts.flag:  # stop within a batch, not at the end of a long evaluation
+            if interrupts.flag:  # checked between batches: not only at the end of a long evaluation
                 net.train()
                 return None
             X, Y = get_batch(split, gen)
@@ -243,10 +243,6 @@ def estimate_loss():
     return out
 
 
-prompt, decode = sample_prompt(meta)  # the samples at evaluations: 200 tokens after it, temperature 0.8, top-k 200
-prompt = torch.tensor([prompt], device=device)
-
-
 def get_lr(it):
     if it < warmup_iters:
         return learning_rate * (it + 1) / (warmup_iters + 1)
@@ -256,24 +252,25 @@ def get_lr(it):
     return min_lr + 0.5 * (1.0 + math.cos(math.pi * decay_ratio)) * (learning_rate - min_lr)
 
 
-def save(path, val_loss=None):  # val_loss: of these weights (None: not evaluated); best_val_loss: of ckpt.pt's
+def save(path, val_loss=None):  # val_loss: of these weights (None: not evaluated); best_val_loss: the lowest evaluated
     run.save(path, {'model': raw_model.state_dict(), 'optimizer': optimizer.state_dict(), 'model_args': asdict(gptconf),
                     'iter_num': iter_num, 'val_loss': val_loss, 'best_val_loss': best_val_loss, 'config': config,
-                    'meta': meta, 'wandb': wandb_run.saved(iter_num), 'wandb_id': wandb_run.state.get('id')},  # (older code's)
+                    'meta': meta, 'wandb': wandb_run.saved(iter_num),
+                    'wandb_id': wandb_run.state.get('id')},  # (wandb_id: what older train.py reads)
              iter_num)
 
 
+prompt, decode = sample_prompt(meta)  # the samples at evaluations: 200 tokens after it, temperature 0.8, top-k 200
+prompt = torch.tensor([prompt], device=device)
 if wandb_log and run.writes:
     with interrupts.deferred():  # W&B writes files
         wandb_run.start(config, gptconf, {'params': raw_model.get_num_params(), 'cache_bytes_per_token':
                         cache_bytes_per_token}, resumed_at=iter_num if resuming else None)
 
-interrupts.immediate = False  # from here on an interrupt is a flag, checked at every iteration
-if interrupts.requested(device):  # (one during W&B's init, on any rank)
-    interrupts.stop()
+interrupts.immediate = False  # from here on an interrupt is a flag, checked at every iteration (before: an exit)
 
 # training loop
-X, Y = get_batch('train', draw(iter_num, 0))  # micro-batch 0 of iteration iter_num
+X, Y = get_batch('train', rng(iter_num, 0))  # micro-batch 0 of iteration iter_num
 t0 = time.time()
 local_iter_num, running_mfu, stop = 0, -1.0, False
 step_time, eval_time = None, 0.0  # recent seconds per step and per evaluation (with its sample and save): the ETA
@@ -324,12 +321,12 @@ while True:
         if master_process and local_iter_num > 0 and (stop or ckpt_stale):
             save(run.last)
         if stop:
-            run.interrupted(iter_num, resume_command(ddp and ddp_world_size, shape_flags))
+            run.interrupted(iter_num, resume_command(ddp_world_size if ddp else 0, shape_flags))
         else:
             run.first_write(iter_num)  # a finished run writes its log, even one with nothing to train (max_iters=0)
         break
 
-    torch.manual_seed(draw(iter_num).initial_seed())  # dropout masks: a function of the iteration too
+    torch.manual_seed(rng(iter_num).initial_seed())  # dropout masks: a function of the iteration too
     for micro_step in range(gradient_accumulation_steps):
         if ddp:  # sync gradients only at the last micro step
             model.require_backward_grad_sync = (micro_step == gradient_accumulation_steps - 1)
@@ -337,7 +334,7 @@ while True:
             logits, loss = model(X, Y)
             loss = loss / gradient_accumulation_steps
         ahead, micro = divmod(micro_step + 1, gradient_accumulation_steps)  # the next micro-batch: of this iteration
-        X, Y = get_batch('train', draw(iter_num + ahead, micro))  # or the next's first, prefetched while the GPU works
+        X, Y = get_batch('train', rng(iter_num + ahead, micro))  # or the next's first, prefetched while the GPU works
         scaler.scale(loss).backward()
     if grad_clip != 0.0:
         scaler.unscale_(optimizer)
@@ -352,10 +349,10 @@ while True:
     dt, t0 = t1 - t0, t1
     if compile and local_iter_num == 0 and master_process:
         print(f"compiled: the first iteration took {duration(dt)}")
-    step_time = None if local_iter_num == 0 else step_time * 0.9 + dt * 0.1 if step_time else dt  # (not the warm-up)
+    step_time = (0.9 * step_time + 0.1 * dt if step_time else dt) if local_iter_num else None  # (not the warm-up)
     if iter_num % log_interval == 0 and master_process:
-        lossf = loss.item() * gradient_accumulation_steps  # (read here only: a read is a wait for the GPU)
-        if not math.isfinite(lossf):  # nothing saved since it (an evaluation or a save would have stopped first)
+        lossf = loss.item() * gradient_accumulation_steps  # the last micro-batch's; read only here (a GPU wait)
+        if not math.isfinite(lossf):  # seen at log lines; diverged weights are never saved nor evaluated as finite
             fail(f"loss is {lossf} at iteration {iter_num}; stopped, {kept(out_dir)} (try a lower learning_rate)")
         if local_iter_num >= 5 and device_type == 'cuda':  # let the loop settle; the A100 peak means nothing on a CPU
             mfu = flops_per_token * batch_size * gradient_accumulation_steps * block_size / dt / 312e12
@@ -364,13 +361,13 @@ while True:
         evals_left = max_iters // eval_interval - iter_num // eval_interval + (max_iters % eval_interval > 0)
         eta = step_time and (max_iters - iter_num - 1) * step_time + evals_left * eval_time
         print(f"iter {iter_num}/{max_iters}: loss {lossf:.4f}, time {dt * 1000:.2f}ms, {tokens_per_iter / dt:,.0f} tok/s" +
-              (f", mfu {running_mfu * 100:.2f}%" if measured else "") + (f", ETA {duration(eta)}" if step_time else ""))
+              (f", mfu {measured['mfu']:.2f}%" if measured else "") + (f", ETA {duration(eta)}" if step_time else ""))
         run.log({'iter': iter_num, 'train/batch_loss': lossf, 'lr': lr, 'ms_per_iter': dt * 1000,
                  'tokens_per_sec': tokens_per_iter / dt, **measured})
     iter_num += 1
     local_iter_num += 1
 
-if ddp:  # every rank must end with the same weights
+if ddp:  # each rank's weights hash: they must match
     digest = hashlib.sha256(b''.join(p.detach().cpu().numpy().tobytes() for p in raw_model.parameters()))
     sys.stdout.flush()  # then the line in one write: the ranks share one stdout
     print(f"rank {ddp_rank}: weights sha256 {digest.hexdigest()[:16]}", flush=True)

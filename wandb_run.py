@@ -18,7 +18,8 @@ from configurator import describe, fail
 
 class WandB:
     """The W&B run a checkpoint names ({} for a new run) in its 'wandb' dict: id, name, config, samples and step, the
-    last step sent (older checkpoints: only 'wandb_id'). Every method is a no-op until start()."""
+    last step sent (older checkpoints: only 'wandb_id'). Every method is a no-op until start(), but sample()
+    keeps its row (for the checkpoint's table)."""
 
     def __init__(self, checkpoint, iter_num):
         state = checkpoint.get('wandb') if isinstance(checkpoint.get('wandb'), dict) else {'id': checkpoint.get('wandb_id')}

@@ -162,12 +162,16 @@ def test_an_interrupt_stops_a_long_evaluation_within_seconds(tmp_path, trained, 
     p = subprocess.Popen([sys.executable, 'train.py', *TINY, f'--out_dir={trained}', f'--data_dir={char_data}',
                           '--init_from=resume', '--eval_only=True', '--eval_iters=100000'], cwd=ROOT,
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    time.sleep(8)  # start-up, then well into the evaluation (100000 batches take minutes)
+    started = ['']  # the start-up's lines up to the evaluation's (start-up is slow on a loaded machine: no fixed sleep)
+    while 'evaluating' not in started[-1]:
+        started.append(p.stdout.readline())
+        assert started[-1], (started, p.stderr.read())
+    time.sleep(2)  # well into the evaluation (100000 batches take minutes)
     assert p.poll() is None
     t0 = time.time()
     p.send_signal(signal.SIGTERM)
     out, err = p.communicate(timeout=60)
-    assert time.time() - t0 < 10 and 'step 4:' not in out, (out, err)
+    assert time.time() - t0 < 10 and 'step 4:' not in ''.join(started) + out, (out, err)
     assert p.returncode == 130 and err.strip() == "error: interrupted during the evaluation; nothing was written"
     assert digest(trained / 'ckpt.pt') == before
 

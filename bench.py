@@ -211,7 +211,8 @@ def step_time_vs_nanogpt(nanogpt_path, layouts=(), rounds=30, steps=10):
     ratios = lambda k, to: [a / b for a, b in zip(ms[k], ms[to])]  # each round's
     ratio = lambda k, to: f"{statistics.median(ratios(k, to)):.3f}"
     mha = 'ours, mha, RoPE (default)'
-    spread = lambda k: '-'.join(f"{q:.2f}" for q in statistics.quantiles(ratios(k, mha), n=4)[::2])  # the middle half
+    quartiles = lambda r: statistics.quantiles(r, n=4)[::2] if len(r) > 1 else r * 2  # (1 round: its own)
+    spread = lambda k: '-'.join(f"{q:.2f}" for q in quartiles(ratios(k, mha)))  # the middle half of the rounds
     return (f"\nTraining-step time on the same recipe, models taking turns in one process (medians of {rounds} "
             f"rounds x {steps} steps; the ratios: the median of each round's ratio):\n\n" +
             table(['model', 'ms/step', 'vs nanoGPT', 'vs our MHA'], [

@@ -251,6 +251,9 @@ def test_step_time_vs_nanogpt_times_the_given_model_file():
     assert all(float(ms) > 0 and float(a) > 0 and float(b) > 0 for _, ms, a, b in rows)
     assert rows[0][2] == rows[2][3] == '1.000'  # each against itself
     assert 'medians of 3 rounds x 2 steps' in text
+    q1, q3 = map(float, re.search(r"the middle half of the 3 rounds' ratios to our MHA: .*deltanet ([\d.]+)-([\d.]+)\.$",
+                                  text, re.M).groups())
+    assert 0 < q1 <= q3  # the spread around rows[3]'s median
 
 
 def test_generation_agreement_tells_a_near_tie_from_a_difference():

@@ -78,7 +78,7 @@ def check_train(config, data, previous, remake):
     from model import GPTConfig
     c = types.SimpleNamespace(**config)
     converting = c.init_from not in ('scratch', 'resume')  # init_from is an MHA out_dir to convert
-    world = os.environ.get('WORLD_SIZE', '1') if 'RANK' in os.environ else '1'  # torchrun's processes
+    world = os.environ.get('WORLD_SIZE', '1').strip() if 'RANK' in os.environ else '1'  # torchrun's processes
     try:  # (a conversion's model has its source's shape: convert.py checks it once the source is read)
         converting or GPTConfig(**{f.name: config[f.name] for f in fields(GPTConfig) if f.name != 'vocab_size'})
     except ValueError as e:
@@ -103,7 +103,7 @@ def check_train(config, data, previous, remake):
                 ('seed', 0 <= c.seed < 2 ** 62, 'in [0, 2**62)'))],
             *[(abs(v) < 2 ** 62, f"{k}={v} is out of range (|value| < 2**62)")
               for k, v in config.items() if type(v) is int],
-            (c.gradient_accumulation_steps % max(1, int(world) if world.isdigit() else 1) == 0,  # the steps of all
+            (c.gradient_accumulation_steps % max(1, int(world) if world.isdecimal() else 1) == 0,  # the steps of all
              f"gradient_accumulation_steps={c.gradient_accumulation_steps} must be a multiple of the {world} DDP "
              "processes"),  # processes together, split among them
             (c.init_from != 'resume' or previous,

@@ -292,6 +292,11 @@ while True:
     if losses:
         print(f"step {iter_num}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f} "
               f"(evaluated in {duration(time.time() - t_eval)})")
+        run.log({'iter': iter_num, 'train/loss': losses['train'], 'val/loss': losses['val'], 'lr': lr,
+                 'cache_bytes_per_token': cache_bytes_per_token})
+        if not (math.isfinite(losses['train']) and math.isfinite(losses['val'])):  # never saved, whatever the flags
+            fail(f"the evaluation at iteration {iter_num} gave a non-finite loss (train {losses['train']}, val "
+                 f"{losses['val']}); stopped, {kept(out_dir)} (try a lower learning_rate)")
         if (sample_every_eval or wandb_run.api) and decode:  # as `sample.py --seed=<seed + iteration>` samples the weights
             raw_model.eval()
             with ctx:
@@ -301,11 +306,6 @@ while True:
             if sample_every_eval:
                 print(f"sample:\n{text}\n---")
             wandb_run.sample(iter_num, attn, text)
-        run.log({'iter': iter_num, 'train/loss': losses['train'], 'val/loss': losses['val'], 'lr': lr,
-                 'cache_bytes_per_token': cache_bytes_per_token})
-        if not (math.isfinite(losses['train']) and math.isfinite(losses['val'])):  # never saved, whatever the flags
-            fail(f"the evaluation at iteration {iter_num} gave a non-finite loss (train {losses['train']}, val "
-                 f"{losses['val']}); stopped, {kept(out_dir)} (try a lower learning_rate)")
         if (losses['val'] < best_val_loss or always_save_checkpoint) and not eval_only:
             best_val_loss = min(best_val_loss, losses['val'])
             wandb_run.call(lambda api: api.run.summary.update({'best_val_loss': best_val_loss}))

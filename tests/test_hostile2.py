@@ -224,4 +224,8 @@ def test_conversion_and_start_up_hostile_pass(tmp_path, char_data):
     r = run('train.py', *TINY, f'--out_dir={tmp_path / "z"}', f'--data_dir={char_data}', '--gradient_accumulation_steps=3',
             env={'RANK': '0', 'WORLD_SIZE': '2'})  # torchrun's 2 processes: checked before any work
     assert 'gradient_accumulation_steps=3 must be a multiple of the 2 DDP processes' in one_line(r)
+    for world in ('\u00b2', ' 2 '):  # a superscript 2 (isdigit, but not int's), spaces (int's, not isdigit's)
+        r = run('train.py', *TINY, f'--out_dir={tmp_path / "z"}', f'--data_dir={char_data}',
+                '--gradient_accumulation_steps=3', env={'RANK': '0', 'WORLD_SIZE': world})
+        assert r.returncode == 2 and 'Traceback' not in r.stderr, r.stderr
     assert not (tmp_path / 'z').exists()

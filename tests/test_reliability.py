@@ -121,6 +121,8 @@ TRAIN_CASES = [
     (['--init_from=resume', '--out_dir=EMPTY'], "ckpt.pt: truncated or corrupted, not a whole torch.save file (0 bytes)"),
     (['--init_from=resume', '--learning_rate=1e12', '--grad_clip=0', '--max_iters=30', '--eval_interval=1',
       '--always_save_checkpoint=True'], "gave a non-finite loss"),  # a diverged eval is never saved
+    (['--init_from=resume', '--learning_rate=1e12', '--grad_clip=0', '--max_iters=30', '--eval_interval=5',
+      '--log_interval=1000', '--sample_every_eval=True'], "gave a non-finite loss"),  # stopped before its sample
 ]
 
 

@@ -260,19 +260,17 @@ class ShortConv(torch.autograd.Function):
     def forward(ctx, x, w):
         ctx.save_for_backward(x, w)
         c = x * w[-1]                                                        # (B, T, C): s = 0, the token itself
-        for s in range(1, min(len(w), x.size(1))):                           # s tokens back
+        for s in range(1, len(w)):                                           # s tokens back (none if s >= T)
             c[:, s:].addcmul_(x[:, :-s], w[-1 - s])
         return c
 
     @staticmethod
     def backward(ctx, dc):
         x, w = ctx.saved_tensors
-        dx, dw = dc * w[-1], torch.zeros_like(w)
-        dw[-1] = (dc * x).sum((0, 1))
-        for s in range(1, min(len(w), x.size(1))):
+        dx = dc * w[-1]
+        for s in range(1, len(w)):
             dx[:, :-s].addcmul_(dc[:, s:], w[-1 - s])
-            dw[-1 - s] = (dc[:, s:] * x[:, :-s]).sum((0, 1))
-        return dx, dw
+        return dx, torch.stack([(dc[:, s:] * x[:, :x.size(1) - s]).sum((0, 1)) for s in reversed(range(len(w)))])
 
 class UnitLowerSolve(torch.autograd.Function):
     """u = (I + A)⁻¹ e for the strictly lower part of A (..., C, C), through the inverse, kept for the backward:

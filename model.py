@@ -318,14 +318,16 @@ def linear_chunked(q, k, v, g, beta, S, delta, chunk_size, keep_state=True):
         (I + A) U = diag(β) (V - diag(e^G) K S_0),   A_ij = β_i e^{G_i - G_j} (k_i · k_j) for j < i.
     S None is a zero state (training: its products skipped); keep_state=False skips the last chunk's write to S."""
     gated, g = g is not None, torch.zeros_like(beta) if g is None else g  # α = 1: log α = 0
-    out, each = [], [x.split(chunk_size, dim=2) for x in (q, k, v, g, beta)]  # chunks of C tokens, the last shorter
+    # chunks of C tokens, the last shorter (one chunk unsplit: split's backward would copy it whole)
+    each = [x.split(chunk_size, dim=2) if x.size(2) > chunk_size else [x] for x in (q, k, v, g, beta)]
+    out = []
     for n, (q, k, u, g, beta) in enumerate(zip(*each)):                             # (B, nh, C, .) each
         C = q.size(2)
         G = g.cumsum(-1)[..., None]                                                   # (B, nh, C, 1)
         causal = torch.ones(C, C, dtype=q.dtype, device=q.device).tril()
-        # e^{G_i - G_j} for j <= i, 0 after; clamped to [-80, 0] first: past the diagonal G_i - G_j > 0 could
-        # overflow the exp, and below -87 a CPU exp takes a 10x slower path (e^-80 ~ 2e-35: 0 next to terms of 1)
-        decay = (G - G.mT).clamp(-80, 0).exp() * causal if gated else causal
+        # e^{G_i - G_j} for j <= i, 0 after: zeroed before the exp, since past the diagonal G_i - G_j > 0 may overflow
+        # it (and not to -inf: a CPU exp of -inf takes a path 3x slower)
+        decay = (G - G.mT).tril().exp() * causal if gated else causal
         eG = G.exp()
         if delta:  # the errors of the memory on each key, corrected for the writes before it in the chunk
             err = beta[..., None] * (u if S is None else u - eG * (k @ S))

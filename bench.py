@@ -597,7 +597,7 @@ def main(argv=None):
         for save in PLOTS:
             save()
         write_atomic(os.path.join(args.out, f'{args.mode}.md'), report)
-        print(report)
+        print(report.replace(MORE, '\n'))  # (the README's marker is for the file)
         if args.readme:
             head, rest = open('README.md').read().split(start, 1)  # read again: it may have been edited meanwhile
             write_atomic('README.md', head + start + "\n" + readme_section(args.mode, report, args.out) + end +

@@ -250,6 +250,14 @@ def resume_state(out_dir, device, meta, asked, data_dir):
     return path, ckpt
 
 
+def changed(ckpt, config, keys=('max_iters', 'lr_decay_iters', 'warmup_iters', 'learning_rate', 'min_lr', 'decay_lr',
+                                  'batch_size', 'gradient_accumulation_steps')):
+    """The training settings a resume changes from its checkpoint's run ('max_iters 200 -> 2000'): a resume follows
+    its command line, which may not repeat the run's flags."""
+    old = ckpt.get('config') if isinstance(ckpt.get('config'), dict) else {}
+    return [f"{k} {old[k]!r} -> {config[k]!r}" for k in keys if k in old and old[k] != config[k]]
+
+
 def resume_command(world_size, extra):
     """This process's command with --init_from=resume (under torchrun if world_size) and the settings in extra (a
     converted model's shape, which its arguments lack)."""

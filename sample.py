@@ -28,12 +28,11 @@ max_new_tokens = 500       # tokens generated per sample
 temperature = 0.8          # 0 = greedy
 top_k = 200                # keep the k most likely tokens (>= vocab_size: no filtering)
 top_p = 1.0                # nucleus sampling; 1.0 = off
-seed = 1337
+seed = 1337                # of the sampling (the sample train.py logs at iteration N: its seed + N)
 use_cache = True           # KV cache (or the layout's state); False re-runs the window every token
 compare = False            # generate with and without the cache and print a comparison table
-device = 'cuda' if torch.cuda.is_available() else 'cpu'
-# the weights and the cache in this dtype (decode reads both once per token: 16 bits halve it)
-dtype = 'bfloat16' if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else 'float16' if torch.cuda.is_available() else 'float32'
+device = 'cuda' if torch.cuda.is_available() else 'cpu'  # cpu, cuda or cuda:N
+dtype = 'bfloat16' if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else 'float16' if torch.cuda.is_available() else 'float32'  # of the weights and the cache (16 bits: half the bytes a token reads)
 compile = False            # torch.compile the model, with a static cache (on CUDA: CUDA graphs)
 # -----------------------------------------------------------------------------
 config_keys = [k for k, v in globals().items() if not k.startswith('_') and isinstance(v, (int, float, bool, str))]

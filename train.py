@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from checkpoint import Run, checkpoints, kept, load_optimizer, resume_command, resume_state, weights
+from checkpoint import Run, changed, checkpoints, kept, load_optimizer, resume_command, resume_state, weights
 from configurator import (check_device, check_train, check_train_memory, configure, describe, duration, fail,
                           memory_errors_in_one_line, model_flags, on_closed_output, summary)
 from convert import conversion
@@ -184,7 +184,8 @@ if resuming:
     if iter_num > max_iters and not eval_only:
         fail(f"{resume_path} is at iteration {iter_num}, past max_iters={max_iters}: nothing to train "
              f"(raise max_iters to continue, or --eval_only=True to evaluate it)")
-    print(f"resuming from {resume_path} at iteration {iter_num}")
+    changes = changed(checkpoint, config)  # e.g. max_iters 200 -> 2000: a resume follows its own command line
+    print(f"resuming from {resume_path} at iteration {iter_num}" + (f"; changed: {', '.join(changes)}" if changes else ""))
 block_size = gptconf.block_size  # (a converted model: its source's)
 tokens_per_iter = gradient_accumulation_steps * ddp_world_size * batch_size * block_size
 check_train_memory(gptconf, batch_size, dtype, device)  # counted before anything is built

@@ -98,6 +98,7 @@ def test_resume_continues_from_the_saved_iteration(tmp_path, char_data):
     first = metrics(split)
     r = train(split, char_data, '--max_iters=40', '--init_from=resume', *common)
     assert 'step 20:' in r.stdout and 'step 0:' not in r.stdout
+    assert f"resuming from {split / 'ckpt.pt'} at iteration 20; changed: max_iters 20 -> 40\n" in r.stdout  # said
     resumed = metrics(split)[len(first) - 1:]  # the iter-20 eval row is dropped on resume, then logged again
     assert resumed[0]['iter'] == 20 and resumed[-1]['iter'] == 40
     losses = lambda rows: [(m['iter'], m.get('train/batch_loss'), m.get('val/loss')) for m in rows]
@@ -114,6 +115,7 @@ def test_resume_may_change_the_chunk_size(tmp_path, char_data):
     r = train(tmp_path, char_data, '--attn=gated_deltanet', '--max_iters=6', '--eval_interval=2', '--chunk_size=3',
               '--init_from=resume')
     assert 'resuming from' in r.stdout and metrics(tmp_path)[-1]['iter'] == 6
+    assert 'changed: max_iters 4 -> 6\n' in r.stdout  # (chunk_size is the model's, not the schedule's)
     r = subprocess.run([sys.executable, 'train.py', *TINY, f'--out_dir={tmp_path}', f'--data_dir={char_data}',
                         '--attn=gated_deltanet', '--max_iters=8', '--conv_size=2', '--init_from=resume'],
                        cwd=ROOT, capture_output=True, text=True, timeout=300)

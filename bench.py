@@ -445,7 +445,8 @@ def mqar_report(args):
     from concurrent.futures import ProcessPoolExecutor, as_completed
     from multiprocessing import get_context
     from data.mqar.prepare import VALUES, prepare
-    path = prepare(os.path.join(args.out, 'mqar'))  # made again each run: seeded, seconds
+    data_dir = tempfile.TemporaryDirectory(dir=args.out, prefix='.mqar-data-')  # deleted at the end, even on an error
+    path = prepare(data_dir.name)  # made again each run (seeded, seconds), in a folder of its own: never a user's data
     data = np.load(path)
     pairs = sorted(int(k.split('_')[-1]) for k in data.files if k.startswith('val_x_'))
     shape = data[f'train_x_{pairs[0]}'].shape  # (sequences, tokens) per N
@@ -582,7 +583,7 @@ def main(argv=None):
             raise ValueError(f"{args.mode} runs train.py and config/ from here: run bench.py in its own folder")
         if args.readme and not (start in readme and end in readme):
             raise ValueError(f"no README.md here with a '{start}' ... '{end}' section to rewrite")
-        os.makedirs(os.path.join(args.out, 'mqar') if args.mode == 'mqar' else args.out, exist_ok=True)  # all checked
+        os.makedirs(args.out, exist_ok=True)  # all checked
         tempfile.TemporaryFile(dir=args.out).close()  # writable? (os.access says yes to root, even in /sys)
     except ValueError as e:
         hint = " (that is config/hybrid.py's 'hybrid': leave it out with --layouts)" if HYBRID in str(e) else ''

@@ -323,7 +323,7 @@ def linear_chunked(q, k, v, g, beta, S, delta, chunk_size, keep_state=True):
     out = []
     for n, (q, k, u, g, beta) in enumerate(zip(*each)):                             # (B, nh, C, .) each
         C = q.size(2)
-        G = g.cumsum(-1)[..., None]                                                   # (B, nh, C, 1)
+        G = g.clamp(min=-1e4).cumsum(-1)[..., None]  # (B, nh, C, 1); e^-10⁴ is 0 as e^-inf is (-inf: G_i - G_i nan)
         causal = torch.ones(C, C, dtype=q.dtype, device=q.device).tril()
         # e^{G_i - G_j} for j <= i, 0 after: zeroed before the exp, since past the diagonal G_i - G_j > 0 may overflow
         # it (and not to -inf: a CPU exp of -inf takes a path 3x slower)

@@ -143,13 +143,11 @@ def test_convert_experiment_on_a_tiny_model(tmp_path, char_data):
 
 def test_bad_arguments_are_one_line(tmp_path, capsys, monkeypatch):
     (tmp_path / 'a-file').write_text('results go in a folder')
-    (tmp_path / 'has-a-file').mkdir()
-    (tmp_path / 'has-a-file' / 'mqar').write_text('mqar writes its data in a folder of this name')
     (tmp_path / 'fake.py').write_text('class GPTConfig: pass')  # runs, but is not nanoGPT's model.py
     (tmp_path / 'quits.py').write_text('import sys; sys.exit(0)')
     for args, msg in ((['decode', f'--out={tmp_path / "a-file"}'], "File exists; give a folder to write the results in"),
                       (['train', f'--out={tmp_path / "a-file" / "sub"}'], "Not a directory; give a folder"),
-                      (['mqar', f'--out={tmp_path / "has-a-file"}'], "File exists; give a folder"),  # its mqar/ a file
+                      (['mqar', f'--out={tmp_path / "a-file"}'], "File exists; give a folder"),
                       (['decode', '--contexts=8,x'], "--contexts: '8,x': give integers >= 1"),
                       (['train', '--max_iters=0'], "--max_iters: '0': give an integer >= 1"),
                       (['train', '--device=cuda'], "device='cuda' but CUDA is not available here"),
@@ -280,8 +278,12 @@ def test_generation_agreement_tells_a_near_tie_from_a_difference():
 
 
 def test_mqar_report_on_a_tiny_run(tmp_path):
+    (tmp_path / 'mqar').mkdir()
+    (tmp_path / 'mqar' / 'mqar.npz').write_text('a data set of the user')  # --out=data would hold data/mqar/mqar.npz
     out = bench('mqar', '--layouts=mha,deltanet,hybrid', '--max_iters=3', '--lrs=3e-3,1e-3', f'--out={tmp_path}')
     assert out.startswith(saved(tmp_path / 'mqar.md')) and (tmp_path / 'mqar.png').stat().st_size > 10_000
+    assert (tmp_path / 'mqar' / 'mqar.npz').read_text() == 'a data set of the user'  # bench's own data: made, deleted
+    assert sorted(p.name for p in tmp_path.iterdir()) == ['mqar', 'mqar.md', 'mqar.png']
     rows = re.findall(r"^\| (mha|deltanet|hybrid) \| (0.001|0.003) \| ([\d.]+)% \| ([\d.]+)% \| ([\d.]+)% \| ([\d.]+)% \| "
                       r"([\d.]+)% \|$", out, re.M)  # each layout's best lr, then its recall per N
     assert [r[0] for r in rows] == ['mha', 'deltanet', 'hybrid'] and all(0 <= float(p) <= 100 for r in rows for p in r[2:])

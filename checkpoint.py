@@ -393,9 +393,12 @@ class Run:
         if not self.writes:
             return
         best = min((r for r in self.rows() if r.get('val/loss') is not None), key=lambda r: r['val/loss'], default=None)
-        held = self.ckpt if os.path.isfile(self.ckpt) else self.last
+        held, note = self.ckpt if os.path.isfile(self.ckpt) else self.last, ''
+        if held == self.last:  # no ckpt.pt: no evaluation beat the first, of the untrained weights (never saved)
+            which = 'the final'
+            note = f" (not iteration {best['iter']}'s: those are not saved)" if best and best['iter'] != iter_num else ''
         print(f"done at iteration {iter_num}" + (f": best val loss {best['val/loss']:.4f} at iteration {best['iter']}"
-              if best else "") + (f"; {which} weights in {held}; sample them with: python sample.py "
+              if best else "") + (f"; {which} weights in {held}{note}; sample them with: python sample.py "
               f"--out_dir={shlex.quote(self.out_dir)}" if os.path.isfile(held) else "; no weights saved"))
 
     def fail(self, reason, *also):

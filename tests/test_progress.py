@@ -29,6 +29,13 @@ def test_train_lines_say_how_far_and_the_run_ends_on_a_summary(tmp_path, char_da
     assert lines[-1] == (f"done at iteration 6: best val loss {best['val/loss']:.4f} at iteration {best['iter']}; the "
                          f"best weights in {tmp_path / 'ckpt.pt'}; sample them with: python sample.py --out_dir={tmp_path}")
 
+    worse = train(tmp_path / 'worse', char_data, '--max_iters=2', '--eval_interval=2', '--learning_rate=1',
+                  '--decay_lr=False').stdout.splitlines()  # a step too large: the untrained weights stay the best
+    assert sorted(os.listdir(tmp_path / 'worse')) == ['last.pt', 'metrics.jsonl', 'train.lock']  # no ckpt.pt
+    assert re.fullmatch(rf"done at iteration 2: best val loss [\d.]+ at iteration 0; the final weights in "
+                        rf"{tmp_path / 'worse' / 'last.pt'} \(not iteration 0's: those are not saved\); sample them .*",
+                        worse[-1]), worse  # never 'the best weights in last.pt'
+
 
 def test_eval_samples_are_sampled_and_a_resume_logs_the_same_text(tmp_path, char_data):
     """Temperature 0.8 and top-k 200, not greedy (a fresh model's greedy sample is one character repeated), with a

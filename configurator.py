@@ -74,7 +74,7 @@ def check_device(device, dtype):
 def check_train(config, data, previous, remake):
     """train.py's values, before any work: one line and exit 2 for the first that is wrong, the model's fields first
     (GPTConfig's own table). data: the data/ folder; previous: out_dir's checkpoints; remake: how to make data_dir."""
-    from checkpoint import in_use
+    from checkpoint import FileError, in_use, read_checkpoint
     from model import GPTConfig
     c = types.SimpleNamespace(**config)
     converting = c.init_from not in ('scratch', 'resume')  # init_from is an MHA out_dir to convert
@@ -82,7 +82,12 @@ def check_train(config, data, previous, remake):
     try:  # (a conversion's model has its source's shape: convert.py checks it once the source is read)
         converting or GPTConfig(**{f.name: config[f.name] for f in fields(GPTConfig) if f.name != 'vocab_size'})
     except ValueError as e:
-        fail(str(e))
+        try:  # a resume that gives one model flag (--n_kv_head=2) but not the others: name the checkpoint's
+            saved = c.init_from == 'resume' and previous and read_checkpoint(previous[0])[1]
+        except FileError:
+            saved = None
+        fail(str(e) + (f"; {previous[0]} is another model ({', '.join(model_flags(saved, c))} in it): add those "
+                       f"settings to resume it" if saved else ''))
     datasets = sorted(d for d in os.listdir(data) if os.path.isfile(os.path.join(data, d, 'prepare.py'))
                       and d != 'mqar')  # (mqar: bench.py mqar's synthetic recall sequences, not a text to train on)
     for ok, message in (

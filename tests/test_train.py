@@ -126,6 +126,11 @@ def test_resume_may_change_the_chunk_size(tmp_path, char_data):
                         '--attn=gated_deltanet+mha', '--max_iters=10', '--init_from=resume'],
                        cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert r.returncode != 0 and "is another model (--attn=gated_deltanet*1 in it)" in r.stderr  # as last saved
+    r = subprocess.run([sys.executable, 'train.py', *TINY, f'--out_dir={tmp_path}', f'--data_dir={char_data}',
+                        '--conv_size=2', '--max_iters=10', '--init_from=resume'],  # no --attn: mha's has no conv
+                       cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 2 and r.stderr.count('\n') == 1 and r.stderr.startswith("error: GPTConfig.conv_size=2 is inv")
+    assert "ckpt.pt is another model (--attn=gated_deltanet*1, --conv_size=4 in it): add those" in r.stderr, r.stderr
 
 
 def wandb_records(run_dir, *flags):

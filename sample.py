@@ -97,7 +97,7 @@ except Exception as e:  # weights of another shape, a broken vocabulary
     fail(f"cannot load checkpoint {ckpt_path}: {describe(e)}")
 ckpt = None
 model.eval().to(device=device, dtype=ptdtype)
-compiled = set()  # the ways (with, without the cache) compiled so far: each compiles its own shapes
+compiled = {}  # the ways (with, without the cache) compiled so far, each its own shapes: its first token's wait
 if compile:  # in place: stream() calls self(...), which a torch.compile(model) wrapper would not reach; on CUDA
     model.compile(mode='reduce-overhead' if 'cuda' in device else None)  # each decode step one CUDA graph replay
     print("compiling the model (torch.compile): the first token waits for it, minutes on a CPU", file=sys.stderr)
@@ -137,9 +137,8 @@ def run(cached, stream=False, max_new_tokens=max_new_tokens):
     with torch.no_grad():
         new = []
         for tok in model.stream(x.expand(num_samples, -1), max_new_tokens, use_cache=cached, cache=cache, **options):
-            if compile and cached not in compiled:  # the first token waited for the compilation
-                compiled.add(cached)
-                print(f"compiled: the first token took {duration(time.perf_counter() - t0)}", file=sys.stderr)
+            if compile and cached not in compiled:  # the first token waited for the compilation (said after the
+                compiled[cached] = duration(time.perf_counter() - t0)  # run: a line printed now would split another)
             new.append(tok)
             if stream:
                 print(decode(tok[0].tolist()), end='', flush=True)
@@ -162,6 +161,8 @@ if not compare:
         for row in out.tolist():
             print(start + decode(row))
             print('---------------')
+    if compiled:
+        print(f"compiled: the first token took {compiled[use_cache]}", file=sys.stderr)
     sys.exit(0)
 
 # --compare: the same samples both ways, same seed; a short warm-up of each way, then 3 rounds taking turns
@@ -173,7 +174,8 @@ for r in range(4):  # round 0: the warm-up
               end='', file=sys.stderr, flush=True)
         t0 = time.perf_counter()
         result[cached] = run(cached, max_new_tokens=max_new_tokens if r else min(8, max_new_tokens))
-        print(f": {duration(time.perf_counter() - t0)}", file=sys.stderr)
+        print(f": {duration(time.perf_counter() - t0)}" + (f" (compiled: the first token took {compiled[cached]})"
+              if compile and not r else ''), file=sys.stderr)
         speed[cached] += [result[cached][1]] if r else []
 (with_cache, _, cache), (without, _, _) = result[True], result[False]  # the cache as generation left it
 median = {k: sorted(v)[1] for k, v in speed.items()}

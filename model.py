@@ -317,13 +317,14 @@ def linear_chunked(q, k, v, g, beta, S, delta, chunk_size, keep_state=True):
     The delta rule's u solve one unit-lower-triangular system per chunk (the WY / UT form, Yang et al. 2024):
         (I + A) U = diag(β) (V - diag(e^G) K S_0),   A_ij = β_i e^{G_i - G_j} (k_i · k_j) for j < i.
     S None is a zero state (training: its products skipped); keep_state=False skips the last chunk's write to S."""
-    gated, g = g is not None, torch.zeros_like(beta) if g is None else g  # α = 1: log α = 0
+    # α = 1: log α = 0; a gate clamped at e^-10⁴, 0 as e^-inf is (a -inf, as at exp(A_log) = inf, makes G_i - G_i nan)
+    gated, g = g is not None, torch.zeros_like(beta) if g is None else g.clamp(min=-1e4)
     # chunks of C tokens, the last shorter (one chunk unsplit: split's backward would copy it whole)
     each = [x.split(chunk_size, dim=2) if x.size(2) > chunk_size else [x] for x in (q, k, v, g, beta)]
     out = []
     for n, (q, k, u, g, beta) in enumerate(zip(*each)):                             # (B, nh, C, .) each
         C = q.size(2)
-        G = g.clamp(min=-1e4).cumsum(-1)[..., None]  # (B, nh, C, 1); e^-10⁴ is 0 as e^-inf is (-inf: G_i - G_i nan)
+        G = g.cumsum(-1)[..., None]                                                   # (B, nh, C, 1)
         causal = torch.ones(C, C, dtype=q.dtype, device=q.device).tril()
         # e^{G_i - G_j} for j <= i, 0 after: zeroed before the exp, since past the diagonal G_i - G_j > 0 may overflow
         # it (and not to -inf: a CPU exp of -inf takes a path 3x slower)

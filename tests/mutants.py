@@ -71,7 +71,7 @@ MUTANTS = [  # (what the bug is, the fragment, its replacement)
     ("gated rules: no causal mask inside a chunk", ".exp() * causal if gated", ".exp() if gated"),
     ("gated rules: decays floored at e^-8", "(G - G.mT).tril().exp()", "(G - G.mT).tril().clamp(min=-8).exp()"),
     ("gated rules: the decay's sign flipped", "(G - G.mT).tril().exp()", "(G.mT - G).tril().exp()"),
-    ("gated rules: a gate of 0 (g = -inf) summed unclamped", "G = g.clamp(min=-1e4).cumsum(-1)", "G = g.cumsum(-1)"),
+    ("gated rules: a gate of 0 (g = -inf) summed unclamped", "else g.clamp(min=-1e4)", "else g"),
     ("no gate: α = e, not 1, in the chunked form", "torch.zeros_like(beta) if g is None", "torch.ones_like(beta) if g is None"),
     ("delta rule: the solve's diagonal not unit", "upper=False, unitriangular=True)", "upper=False, unitriangular=False)"),
     ("delta rule: S_0's correction dropped", "u - eG * (k @ S))", "u - 0 * (k @ S))"),

@@ -157,3 +157,7 @@ def test_mqar_prepare_writes_every_n_and_refuses_bad_input(tmp_path):
         assert r.returncode == 2 and len(r.stderr.strip().splitlines()) <= 3 and 'Traceback' not in r.stderr, r.stderr
         assert 'python python' not in r.stderr
     assert (tmp_path / 'meta.json').read_text() == 'another data set'
+    for pairs, said in (('2,6', False), ('3', True)):  # the same data set again: silent; another: says what it replaced
+        r = subprocess.run([sys.executable, script, f'--pairs={pairs}', '--train=30', '--val=7', f'--out_dir={tmp_path}'],
+                           capture_output=True, text=True)
+        assert r.returncode == 0 and ("replacing the data set made with {'pairs': [2, 6]" in r.stdout) == said, r.stdout

@@ -81,8 +81,15 @@ def main():
     p.add_argument('--seed', type=checked(int, lambda v: v >= 0, "give an integer >= 0"), default=0, help='(default: 0)')
     p.add_argument('--out_dir', default=os.path.dirname(os.path.abspath(__file__)), help='(default: data/mqar)')
     args = p.parse_args()
+    try:  # a data set there before is replaced; say which, so a different one is not lost unnoticed
+        with open(os.path.join(args.out_dir, 'mqar.json')) as f:
+            before = {k: v for k, v in json.load(f).items() if k in ('pairs', 'train', 'val', 'seed')}
+    except (OSError, ValueError, AttributeError):
+        before = None
     try:
-        print(f"wrote {prepare(args.out_dir, args.pairs, args.train, args.val, args.seed)}")
+        print(f"wrote {prepare(args.out_dir, args.pairs, args.train, args.val, args.seed)}" + (
+            f" (replacing the data set made with {before})" if before and before != dict(
+                pairs=args.pairs, train=args.train, val=args.val, seed=args.seed) else ""))
     except OSError as e:
         p.error(f"--out_dir {args.out_dir!r}: {e.strerror or e}")
     except MemoryError:

@@ -490,7 +490,7 @@ def mqar_report(args):
             f"{shape[0] * len(pairs):,} training sequences of {shape[1]} tokens, N = {', '.join(map(str, pairs))} "
             f"mixed), a {MQAR['n_layer']}-layer model per layout ({MQAR['n_head']} heads, n_embd {d}, head_dim d_k = "
             f"{head_dim}, MLP sized to MHA's parameter count; hybrid = 'gated_deltanet+gqa'), {args.max_iters} AdamW "
-            f"steps of 32 sequences {how}; recall = answers right on 500 held-out sequences per N (chance, a guess "
+            f"step{'s' * (args.max_iters != 1)} of 32 sequences {how}; recall = answers right on 500 held-out sequences per N (chance, a guess "
             f"among the {VALUES} values: {1 / VALUES:.1%}).\n\n"
             + trained + "\n![MQAR recall vs pairs](mqar.png)\n" + MORE + "\n**Mean recall over N at each lr** (the "
             "runs the table above picks from):\n\n" + every_lr + "\n**The state's capacity, no training**: N random "
@@ -527,8 +527,8 @@ def main(argv=None):
             ('train', 'nanogpt', None, str, "nanoGPT's model.py, to time its step next to ours"),
             ('convert', 'fractions', '0,0.01,0.025,0.05,0.1', fractions, 'uptraining, fractions of max_iters'),
             ('convert', 'lr', 1e-3, positive, 'peak learning rate of the uptraining'),
-            ('mqar', 'lrs', None, rates, "peak learning rates, each layout's best kept (default: each layout's best "
-             "of the sweep 1e-3,3e-3, bench.py's MQAR_LR, half the time)"),
+            ('mqar', 'lrs', None, rates, "peak learning rates, each layout's best kept (default: only each layout's "
+             "best rate of an earlier sweep of 1e-3,3e-3, bench.py's MQAR_LR: half the runs)"),
             ('decode', 'n_layer', 6, count, 'layers'), ('decode', 'n_head', 6, count, 'heads'),
             ('decode', 'n_embd', 384, count, 'width'), ('decode', 'batch', 16, count, 'batch of the roofline'),
             ('decode', 't', 2048, count, 'context of the roofline'),

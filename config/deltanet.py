@@ -4,4 +4,4 @@
 out_dir = 'out-shakespeare-char-deltanet'
 attn = 'deltanet'
 # the delta rule: beta_t = sigmoid(W_beta x), L2-normed q and k (Schlag et al. 2021; Yang et al. 2024)
-match_mha_params = True   # MLP narrowed to MHA's parameter count (the output gate and W_a, W_beta add weights)
+match_mha_params = True   # MLP narrowed to MHA's parameter count (the output gate, the conv and W_beta add weights)

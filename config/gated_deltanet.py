@@ -4,4 +4,4 @@
 out_dir = 'out-shakespeare-char-gated_deltanet'
 attn = 'gated_deltanet'
 # the gated delta rule: Mamba-2's gate and the delta rule (Yang, Kautz, Hatamizadeh 2024)
-match_mha_params = True   # MLP narrowed to MHA's parameter count (the output gate and W_a, W_beta add weights)
+match_mha_params = True   # MLP narrowed to MHA's parameter count (the output gate, the conv, W_a and W_beta add weights)

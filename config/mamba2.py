@@ -4,4 +4,4 @@
 out_dir = 'out-shakespeare-char-mamba2'
 attn = 'mamba2'
 # Mamba-2's data-dependent gate: alpha_t = exp(-exp(A_log) softplus(W_a x + dt_bias)) (Dao & Gu 2024)
-match_mha_params = True   # MLP narrowed to MHA's parameter count (the output gate and W_a, W_beta add weights)
+match_mha_params = True   # MLP narrowed to MHA's parameter count (the output gate, the conv and W_a add weights)

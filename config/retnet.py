@@ -4,4 +4,4 @@
 out_dir = 'out-shakespeare-char-retnet'
 attn = 'retnet'
 # RetNet's fixed decay: gamma_h = 1 - 2^(-5-h) per head (Sun et al. 2023)
-match_mha_params = True   # MLP narrowed to MHA's parameter count (the output gate and W_a, W_beta add weights)
+match_mha_params = True   # MLP narrowed to MHA's parameter count (the output gate, the conv and its per-head norm add weights)

@@ -143,8 +143,8 @@ def read_checkpoint(path, device='cpu', keys=('model', 'model_args')):
             unpickler = ' '.join(str(e).split('Unpickler error:')[-1].split('Check the documentation')[0].split())
             reason = f"not a file of tensors that loads safely ({unpickler[:120]})"
         raise FileError(f"cannot load checkpoint {path}: {reason}") from None
-    if part := damaged(path):  # torch.load reads a changed byte as a changed weight
-        raise FileError(f"cannot load checkpoint {path}: corrupted: {part} fails its CRC check")
+    if what := damaged(path):  # torch.load reads a changed byte as a changed weight
+        raise FileError(f"cannot load checkpoint {path}: corrupted: {what}")
     kinds = {'model': dict, 'optimizer': dict, 'model_args': dict, 'iter_num': int, 'best_val_loss': float}
     wrong = [k for k in keys if not isinstance(ckpt, dict) or not isinstance(ckpt.get(k), kinds[k])]
     wrong += [k for k, ok in (('iter_num', lambda v: v >= 0), ('best_val_loss', lambda v: v == v)) if k in keys
@@ -159,15 +159,17 @@ def read_checkpoint(path, device='cpu', keys=('model', 'model_args')):
 
 
 def damaged(path):
-    """The first part of a torch.save file (a zip) whose bytes fail their CRC-32, or None; torch.load checks none."""
+    """What fails in a torch.save file (a zip): a part whose bytes fail their CRC-32, or headers that do not read
+    (torch.load checks neither, and reads a changed name length as weights from shifted bytes); None if whole."""
     import zipfile
-    if not os.path.isfile(path):
+    if not os.path.isfile(path) or not zipfile.is_zipfile(path):  # not a zip at all: torch.load says why
         return None
     try:
         with zipfile.ZipFile(path) as z:
-            return z.testzip()
-    except Exception:  # not a zip at all: torch.load says why
-        return None
+            part = z.testzip()
+        return part and f"{part} fails its CRC check"
+    except Exception as e:
+        return f"its zip headers do not read ({describe(e)})"
 
 
 def weights(ckpt):

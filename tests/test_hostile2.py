@@ -229,3 +229,28 @@ def test_conversion_and_start_up_hostile_pass(tmp_path, char_data):
                 '--gradient_accumulation_steps=3', env={'RANK': '0', 'WORLD_SIZE': world})
         assert r.returncode == 2 and 'Traceback' not in r.stderr, r.stderr
     assert not (tmp_path / 'z').exists()
+
+
+def test_a_changed_name_length_in_the_zip_is_named_corrupted_not_loaded_shifted(tmp_path):
+    """A flipped bit in a part's local header (its name's length) makes torch.load read that weight from shifted
+    bytes, with no error, and makes zipfile fail to decode the name rather than report a CRC: still corrupted."""
+    import struct
+    import zipfile
+    from dataclasses import asdict
+    from checkpoint import FileError, read_checkpoint
+    from model import GPT, GPTConfig
+    cfg = GPTConfig(attn='deltanet', n_layer=2, n_head=2, n_embd=32, block_size=16)
+    state = {'model': GPT(cfg).state_dict(), 'model_args': asdict(cfg), 'iter_num': 1, 'best_val_loss': 1.0}
+    torch.save(state, tmp_path / 'good.pt')
+    good = (tmp_path / 'good.pt').read_bytes()
+    parts = zipfile.ZipFile(tmp_path / 'good.pt').infolist()
+    at = parts[len(parts) // 2].header_offset + 26  # the local header's file name length
+    for flip in (0x40, 0x80):
+        bad = bytearray(good)
+        bad[at:at + 2] = struct.pack('<H', struct.unpack('<H', bad[at:at + 2])[0] ^ flip)
+        (tmp_path / 'bad.pt').write_bytes(bad)
+        loaded = torch.load(tmp_path / 'bad.pt', weights_only=True)['model']  # what the check stands in front of
+        assert any(not torch.equal(loaded[k], v) for k, v in state['model'].items())
+        with pytest.raises(FileError, match=r"corrupted: its zip headers do not read"):
+            read_checkpoint(str(tmp_path / 'bad.pt'))
+    read_checkpoint(str(tmp_path / 'good.pt'))

@@ -161,3 +161,11 @@ def test_mqar_prepare_writes_every_n_and_refuses_bad_input(tmp_path):
         r = subprocess.run([sys.executable, script, f'--pairs={pairs}', '--train=30', '--val=7', f'--out_dir={tmp_path}'],
                            capture_output=True, text=True)
         assert r.returncode == 0 and ("replacing the data set made with {'pairs': [2, 6]" in r.stdout) == said, r.stdout
+    (tmp_path / 'mqar.json').write_text('[1]')  # its settings unreadable: still said
+    r = subprocess.run([sys.executable, script, '--pairs=3', '--train=30', f'--out_dir={tmp_path}'], capture_output=True, text=True)
+    assert r.returncode == 0 and 'replacing a data set of unknown settings' in r.stdout, r.stdout
+    (tmp_path / 'mqar.json').unlink()
+    (tmp_path / 'mqar.json').mkdir()  # a folder in the way: refused before mqar.npz is replaced
+    kept = (tmp_path / 'mqar.npz').read_bytes()
+    r = subprocess.run([sys.executable, script, '--pairs=5', f'--out_dir={tmp_path}'], capture_output=True, text=True)
+    assert r.returncode == 2 and 'Is a directory' in r.stderr and (tmp_path / 'mqar.npz').read_bytes() == kept, r.stderr

@@ -13,6 +13,7 @@ tiny CPU models did not learn in minutes (MHA: 45% at N = 4 after 1,500 steps).
     python data/mqar/prepare.py                      # data/mqar/mqar.npz: N = 4, 8, 16, 24, 32, padded to 64 tokens
     python data/mqar/prepare.py --pairs=8,16 --train=20000 --val=500 --seed=1
 """
+import errno
 import json
 import os
 import sys
@@ -52,6 +53,9 @@ def prepare(out_dir, pairs=(4, 8, 16, 24, 32), train=20000, val=500, seed=0):
         for split, count in (('train', train), ('val', val)):
             arrays[f'{split}_x_{n}'], arrays[f'{split}_y_{n}'] = sequences(n, count, rng, length)
     os.makedirs(out_dir, exist_ok=True)
+    for name in ('mqar.npz', 'mqar.json'):  # a folder in the way: refused before either file is replaced
+        if os.path.isdir(os.path.join(out_dir, name)):
+            raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR), os.path.join(out_dir, name))
     meta = dict(kind='mqar', vocab_size=VOCAB, keys=KEYS, values=VALUES, pairs=list(pairs), length=length,
                 train=train, val=val, seed=seed)
     tmp = os.path.join(out_dir, f'.tmp{os.getpid()}')
@@ -81,17 +85,19 @@ def main():
     p.add_argument('--seed', type=checked(int, lambda v: v >= 0, "give an integer >= 0"), default=0, help='(default: 0)')
     p.add_argument('--out_dir', default=os.path.dirname(os.path.abspath(__file__)), help='(default: data/mqar)')
     args = p.parse_args()
-    try:  # a data set there before is replaced; say which, so a different one is not lost unnoticed
-        with open(os.path.join(args.out_dir, 'mqar.json')) as f:
-            before = {k: v for k, v in json.load(f).items() if k in ('pairs', 'train', 'val', 'seed')}
-    except (OSError, ValueError, AttributeError):
-        before = None
+    asked, before = dict(pairs=args.pairs, train=args.train, val=args.val, seed=args.seed), None
+    try:  # a data set there before is replaced: say which, so that another one is not lost unnoticed
+        if os.path.isfile(os.path.join(args.out_dir, 'mqar.json')):  # (a FIFO there would block the read)
+            with open(os.path.join(args.out_dir, 'mqar.json')) as f:
+                before = {k: v for k, v in json.load(f).items() if k in asked}
+    except (OSError, ValueError, AttributeError):  # unreadable, not JSON, not a dict
+        pass
+    replacing = os.path.isfile(os.path.join(args.out_dir, 'mqar.npz')) and before != asked
     try:
-        print(f"wrote {prepare(args.out_dir, args.pairs, args.train, args.val, args.seed)}" + (
-            f" (replacing the data set made with {before})" if before and before != dict(
-                pairs=args.pairs, train=args.train, val=args.val, seed=args.seed) else ""))
+        said = f"the data set made with {before}" if before else "a data set of unknown settings (no readable mqar.json)"
+        print(f"wrote {prepare(args.out_dir, args.pairs, args.train, args.val, args.seed)}" + f" (replacing {said})" * replacing)
     except OSError as e:
-        p.error(f"--out_dir {args.out_dir!r}: {e.strerror or e}")
+        p.error(f"--out_dir {args.out_dir!r}: {e.strerror or e}" + (f": {e.filename}" if e.filename else ""))
     except MemoryError:
         p.error(f"--train={args.train} and --val={args.val}: more sequences than this machine's memory holds")
 

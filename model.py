@@ -48,7 +48,8 @@ class GPTConfig:
     match_mha_params: bool = False  # widen/narrow the MLP so the model has MHA's parameter count
 
     def __post_init__(self):
-        whole = lambda least: (lambda v: isinstance(v, int) and v >= least, f"must be an integer >= {least}")
+        number = lambda v: isinstance(v, (int, float)) and not isinstance(v, bool)  # (True is an int to Python)
+        whole = lambda least: (lambda v: number(v) and isinstance(v, int) and v >= least, f"must be an integer >= {least}")
         wrong = [p for p in self.attn.split('+') if not self.pattern(p)] if isinstance(self.attn, str) else []
         rules = [('attn', lambda v: isinstance(v, str) and bool(self.pattern()),  # (field, test, rule)
                   f"must be one of {ATTN_LAYOUTS}, or a hybrid of them like 'gated_deltanet*3+gqa' (a count from 1 to "
@@ -58,8 +59,8 @@ class GPTConfig:
                                             'conv_size')],
                  *[(f, *whole(0)) for f in ('n_kv_head', 'q_lora_rank', 'kv_lora_rank', 'rope_head_dim')],
                  *[(f, lambda v: isinstance(v, bool), "must be True or False") for f in ('bias', 'match_mha_params')],
-                 ('dropout', lambda v: 0.0 <= v < 1.0, "must be in [0, 1)"),
-                 ('rope_base', lambda v: v > 0, "must be > 0"),
+                 ('dropout', lambda v: number(v) and 0.0 <= v < 1.0, "must be a number in [0, 1)"),
+                 ('rope_base', lambda v: number(v) and 0 < v < math.inf, "must be a finite number > 0"),
                  ('n_embd', lambda v: v % self.n_head == 0, f"must be divisible by n_head={self.n_head}"),
                  ('attn', lambda v: len(self.pattern()) <= self.n_layer,
                   f"has {len(self.pattern() or '')} layers, more than n_layer={self.n_layer}"),

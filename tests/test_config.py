@@ -48,6 +48,9 @@ BAD = [
     (dict(chunk_size=0), r"chunk_size.*>= 1"),
     (dict(dropout=1.0), r"dropout.*\[0, 1\)"),
     (dict(rope_base=0.0), r"rope_base.*> 0"),
+    (dict(dropout='0.1'), r"dropout='0.1' is invalid: must be a number"), (dict(dropout=None), r"dropout=None"),
+    (dict(rope_base='1e4'), r"rope_base='1e4' is invalid"), (dict(rope_base=float('inf')), r"rope_base=inf.*finite"),
+    (dict(n_layer=True), r"n_layer=True is invalid: must be an integer"),  # True is an int to Python, not a count
 ]
 
 

@@ -110,13 +110,17 @@ except PrepareError as e:
     fail(str(e))
 
 if start.startswith('FILE:'):
+    path = start[5:]
     try:
-        with open(start[5:], encoding='utf-8') as f:
-            start = f.read()
+        with open(path, encoding='utf-8') as f:
+            start, more = f.read(2 ** 24), f.read(1)  # at most 16 Mi characters: /dev/zero is not a prompt
     except OSError as e:
-        fail(f"cannot read the prompt file {start[5:]!r}: {e.strerror}")
+        fail(f"cannot read the prompt file {path!r}: {e.strerror}")
     except UnicodeDecodeError as e:
-        fail(f"the prompt file {start[5:]!r} is not UTF-8 text (byte {e.start})")
+        fail(f"the prompt file {path!r} is not UTF-8 text (byte {e.start})")
+    if more:
+        fail(f"the prompt file {path!r} holds more than {2 ** 24:,} characters: the model sees only its last "
+             f"block_size tokens; give a shorter file")
 try:
     start_ids = encode(start)
 except ValueError as e:

@@ -112,15 +112,16 @@ except PrepareError as e:
 if start.startswith('FILE:'):
     path = start[5:]
     try:
-        with open(path, encoding='utf-8') as f:
-            start, more = f.read(2 ** 24), f.read(1)  # at most 16 Mi characters: /dev/zero is not a prompt
+        with open(path, 'rb') as f:
+            start, more = f.read(2 ** 26), f.read(1)  # at most 64 MiB: /dev/zero is not a prompt
+        if more:
+            fail(f"the prompt file {path!r} holds more than {2 ** 26:,} bytes: the model sees only its last "
+                 f"block_size tokens; give a shorter file")
+        start = start.decode('utf-8').replace('\r\n', '\n').replace('\r', '\n')  # as text mode reads newlines
     except OSError as e:
         fail(f"cannot read the prompt file {path!r}: {e.strerror}")
     except UnicodeDecodeError as e:
         fail(f"the prompt file {path!r} is not UTF-8 text (byte {e.start})")
-    if more:
-        fail(f"the prompt file {path!r} holds more than {2 ** 24:,} characters: the model sees only its last "
-             f"block_size tokens; give a shorter file")
 try:
     start_ids = encode(start)
 except ValueError as e:

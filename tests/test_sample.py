@@ -123,7 +123,7 @@ def test_top_p_tiny_is_greedy_and_top_k_one_is_greedy(ckpt_dir):
     (['--compare', '--use_cache=False'], "use_cache=False must be True with --compare (it runs both ways)"),
     (['--temperature=-1'], "temperature=-1.0 must be 0 (greedy) or >= 1e-6"),
     (['--start=FILE:/no/such'], "cannot read the prompt file '/no/such'"),
-    (['--start=FILE:/dev/zero'], "the prompt file '/dev/zero' holds more than 16,777,216 characters"),  # not all read
+    (['--start=FILE:/dev/zero'], "the prompt file '/dev/zero' holds more than 67,108,864 bytes"),  # not all read
     (['--device=tpu'], "device='tpu' should be cpu, cuda or cuda:N"),
 ])
 def test_bad_input_is_one_line(ckpt_dir, args, message):

@@ -55,6 +55,8 @@ check_device(device, dtype)
 # ckpt.pt (the best val loss), else last.pt (where an interrupted run stopped); with no out_dir, the newest
 # checkpoint of the out*/ folders here, the ones train.py's configs write
 found, out_dir = not out_dir, out_dir or newest_out_dir()
+if os.path.isfile(out_dir):  # e.g. --out_dir=out/ckpt.pt
+    fail(f"out_dir={out_dir!r} is a file: give the folder that holds it, --out_dir={os.path.dirname(out_dir) or '.'}")
 ckpt_path = (checkpoints(out_dir) or [None])[0]
 if ckpt_path is None:
     fail(f"no checkpoint (ckpt.pt or last.pt) in {out_dir}{' nor any ./out*/' if found else ''}: train one first "

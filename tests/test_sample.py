@@ -193,3 +193,9 @@ def test_sample_as_typed_finds_the_newest_checkpoint(tmp_path, ckpt_dir):
     shutil.rmtree(tmp_path / 'out-older'), shutil.rmtree(tmp_path / 'out-newer')
     r = cwd()
     assert r.returncode == 2 and r.stderr.startswith('error: no checkpoint (ckpt.pt or last.pt) in out nor any ./out*/')
+
+
+def test_a_checkpoint_file_given_as_out_dir_names_its_folder(ckpt_dir):
+    r = run('sample.py', f"--out_dir={os.path.join(ckpt_dir, 'ckpt.pt')}")
+    assert r.returncode == 2 and f"is a file: give the folder that holds it, --out_dir={ckpt_dir}" in r.stderr, r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1

@@ -85,17 +85,19 @@ def main():
     p.add_argument('--seed', type=checked(int, lambda v: v >= 0, "give an integer >= 0"), default=0, help='(default: 0)')
     p.add_argument('--out_dir', default=os.path.dirname(os.path.abspath(__file__)), help='(default: data/mqar)')
     args = p.parse_args()
-    asked, before = dict(pairs=args.pairs, train=args.train, val=args.val, seed=args.seed), None
+    asked, before, settings = dict(pairs=args.pairs, train=args.train, val=args.val, seed=args.seed), None, \
+        os.path.join(args.out_dir, 'mqar.json')
     try:  # a data set there before is replaced: say which, so that another one is not lost unnoticed
-        if os.path.isfile(os.path.join(args.out_dir, 'mqar.json')):  # (a FIFO there would block the read)
-            with open(os.path.join(args.out_dir, 'mqar.json')) as f:
+        if os.path.isfile(settings):  # (a FIFO there would block the read)
+            with open(settings) as f:
                 before = {k: v for k, v in json.load(f).items() if k in asked}
     except (OSError, ValueError, AttributeError):  # unreadable, not JSON, not a dict
         pass
     replacing = os.path.isfile(os.path.join(args.out_dir, 'mqar.npz')) and before != asked
+    said = f"the data set made with {before}" if before else "a data set of unknown settings (no readable mqar.json)"
     try:
-        said = f"the data set made with {before}" if before else "a data set of unknown settings (no readable mqar.json)"
-        print(f"wrote {prepare(args.out_dir, args.pairs, args.train, args.val, args.seed)}" + f" (replacing {said})" * replacing)
+        print(f"wrote {prepare(args.out_dir, args.pairs, args.train, args.val, args.seed)}"
+              + f" (replacing {said})" * replacing)
     except OSError as e:
         p.error(f"--out_dir {args.out_dir!r}: {e.strerror or e}" + (f": {e.filename}" if e.filename else ""))
     except MemoryError:

@@ -28,6 +28,7 @@ import shutil
 import signal
 import stat
 import sys
+import warnings
 from contextlib import contextmanager
 from dataclasses import replace
 
@@ -132,8 +133,9 @@ def read_checkpoint(path, device='cpu', keys=('model', 'model_args')):
     wrong."""
     import torch
     from model import GPTConfig
-    try:
-        ckpt = torch.load(path, map_location=device, weights_only=True)
+    try:  # torch's warnings about a file (a changed pickle protocol byte) kept back: shown only if it loads
+        with warnings.catch_warnings(record=True) as said:
+            ckpt = torch.load(path, map_location=device, weights_only=True)
     except Exception as e:  # truncated, corrupted, not a checkpoint, or a pickle that would run code
         reason = describe(e)
         if damaged(path) or 'zip archive' in reason or getattr(e, 'errno', None) == errno.EINVAL or isinstance(
@@ -153,9 +155,12 @@ def read_checkpoint(path, device='cpu', keys=('model', 'model_args')):
         raise FileError(f"cannot load checkpoint {path}: no {', '.join(wrong)} of the right kind in it: "
                         f"not a checkpoint of train.py")
     try:
-        return ckpt, GPTConfig(**ckpt['model_args'])
+        config = GPTConfig(**ckpt['model_args'])
     except (TypeError, ValueError) as e:
         raise FileError(f"cannot load checkpoint {path}: its model_args: {describe(e)}") from None
+    for w in said:
+        warnings.showwarning(w.message, w.category, w.filename, w.lineno)
+    return ckpt, config
 
 
 def damaged(path):

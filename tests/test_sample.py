@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from conftest import ROOT
 from test_train import TINY
@@ -199,3 +200,28 @@ def test_a_checkpoint_file_given_as_out_dir_names_its_folder(ckpt_dir):
     r = run('sample.py', f"--out_dir={os.path.join(ckpt_dir, 'ckpt.pt')}")
     assert r.returncode == 2 and f"is a file: give the folder that holds it, --out_dir={ckpt_dir}" in r.stderr, r.stderr
     assert len(r.stderr.strip().splitlines()) == 1
+
+
+def test_a_changed_pickle_protocol_is_one_line_without_torchs_warning(tmp_path, ckpt_dir, monkeypatch):
+    """A changed pickle protocol byte makes torch.load warn (two lines) before the CRC check fails: the user sees our
+    one line only, for the checkpoint asked for and for another ./out*/ one looked into. A warning from a load that
+    succeeds is still shown."""
+    import warnings
+    from checkpoint import read_checkpoint
+    good = open(os.path.join(ckpt_dir, 'ckpt.pt'), 'rb').read()
+    at = good.find(b'\x80\x02')  # the pickle's PROTO opcode and its protocol, 2
+    for name in ('out-bad', 'out-good'):  # out-good the newer: picked, out-bad looked into for its data
+        os.mkdir(tmp_path / name)
+        (tmp_path / name / 'ckpt.pt').write_bytes(good[:at + 1] + bytes([7]) * (name == 'out-bad') + good[at + 1 + (name == 'out-bad'):])
+    os.utime(tmp_path / 'out-bad' / 'ckpt.pt', (1, 1))
+    with pytest.warns(UserWarning, match='pickle protocol 7'):  # what the check keeps back
+        torch.load(tmp_path / 'out-bad' / 'ckpt.pt', weights_only=True)
+    r = run('sample.py', f"--out_dir={tmp_path / 'out-bad'}", '--max_new_tokens=2')
+    assert r.returncode == 2 and 'corrupted' in r.stderr and len(r.stderr.splitlines()) == 1, r.stderr
+    r = subprocess.run([sys.executable, os.path.join(ROOT, 'sample.py'), '--max_new_tokens=2', '--num_samples=1'],
+                       cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and 'out-good' in r.stderr and 'Warning' not in r.stderr, r.stderr
+    load = torch.load
+    monkeypatch.setattr(torch, 'load', lambda *a, **k: (warnings.warn('a load that succeeds'), load(*a, **k))[1])
+    with pytest.warns(UserWarning, match='a load that succeeds'):
+        read_checkpoint(os.path.join(ckpt_dir, 'ckpt.pt'))

@@ -511,7 +511,8 @@ def main(argv=None):
     listed = lambda kind, ok, rule: checked(lambda text: sorted({kind(x) for x in text.split(',')}), ok, rule)
     layouts = listed(str, lambda v: set(v) <= set(LAYOUTS), "choose from " + ','.join(LAYOUTS))
     fractions = listed(float, lambda v: all(0 <= f <= 1 for f in v), "give numbers in [0, 1]")
-    contexts = listed(int, lambda v: v[0] >= 1, "give integers >= 1")
+    LONGEST = 2 ** 20  # a context is prefilled token by token's worth of work, even into a linear layout's fixed state
+    contexts = listed(int, lambda v: 1 <= v[0] and v[-1] <= LONGEST, f"give integers from 1 to {LONGEST:,}")
     positive = checked(float, lambda v: 0 < v < float('inf'), "give a number > 0")
     rates = listed(float, lambda v: 0 < v[0] and v[-1] < float('inf'), "give numbers > 0")
     gen_tokens = checked(int, lambda v: 1 <= v <= 240, "give 1 to 240 (block 256, prompt 16)")
@@ -531,7 +532,8 @@ def main(argv=None):
              "best rate of an earlier sweep of 1e-3,3e-3, bench.py's MQAR_LR: half the runs)"),
             ('decode', 'n_layer', 6, count, 'layers'), ('decode', 'n_head', 6, count, 'heads'),
             ('decode', 'n_embd', 384, count, 'width'), ('decode', 'batch', 16, count, 'batch of the roofline'),
-            ('decode', 't', 2048, count, 'context of the roofline'),
+            ('decode', 't', 2048, checked(int, lambda v: 1 <= v <= LONGEST, f"give an integer from 1 to {LONGEST:,}"),
+             'context of the roofline'),
             ('decode', 'contexts', '64,128,256,512,1024,2048', contexts, 'the contexts of decode cost vs context'),
             ('decode', 'gen_tokens', 240, gen_tokens, 'new tokens of the generation table'),
             ('decode', 'dtype', 'float32', str, 'float32, bfloat16 or float16')):

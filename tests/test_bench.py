@@ -148,7 +148,7 @@ def test_bad_arguments_are_one_line(tmp_path, capsys, monkeypatch):
     for args, msg in ((['decode', f'--out={tmp_path / "a-file"}'], "File exists; give a folder to write the results in"),
                       (['train', f'--out={tmp_path / "a-file" / "sub"}'], "Not a directory; give a folder"),
                       (['mqar', f'--out={tmp_path / "a-file"}'], "File exists; give a folder"),
-                      (['decode', '--contexts=8,x'], "--contexts: '8,x': give integers >= 1"),
+                      (['decode', '--contexts=8,x'], "--contexts: '8,x': give integers from 1 to 1,048,576"),
                       (['train', '--max_iters=0'], "--max_iters: '0': give an integer >= 1"),
                       (['train', '--device=cuda'], "device='cuda' but CUDA is not available here"),
                       (['decode', '--device=tpu'], "device='tpu' should be cpu, cuda or cuda:N"),
@@ -175,10 +175,12 @@ def test_bad_arguments_are_one_line(tmp_path, capsys, monkeypatch):
                       (['convert', '--', '--learning_rate=1'], "--learning_rate=1: bench.py sets that itself"),
                       (['convert', '--device=cuda'], "--device not for convert"), ([], "the following arguments are required: mode"),
                       (['decode', '--batch=0'], "--batch: '0': give an integer >= 1"),
-                      (['decode', '--t=100000000'], "--t=100000000, --batch=16, --contexts, the sizes: weights and caches need"),
-                      (['decode', '--contexts=100000000'], "weights and caches need at least"),
+                      (['decode', '--t=1048576'], "--t=1048576, --batch=16, --contexts, the sizes: weights and caches need"),
+                      (['decode', '--layouts=linear', '--t=100000000'], "--t: '100000000': give an integer from 1 to 1,048,576"),
+                      (['decode', '--contexts=1048576', '--n_layer=100'], "weights and caches need at least"),
+                      (['decode', '--contexts=8,99999999999'], "give integers from 1 to 1,048,576"),
                       (['decode', '--layouts=mla', '--contexts=100000'], "weights and caches need at least"),  # scores
-                      (['decode', '--layouts=linear', '--t=1000000000'], "weights and caches need"),  # token ids
+                      (['decode', '--layouts=linear', '--t=1048576', '--batch=100000'], "weights and caches need"),  # token ids
                       (['train', '--', 'config/mqa.py'], "config/mqa.py: not a --key=value (the extras are train.py's"),
                       (['train', '--', '--batch_size', '12'], "12: not a --key=value"),
                       (['decode', '--n_head=5', '--n_embd=40'], "GPTConfig.n_head=5 is invalid: attn='gqa' with n_head=5"),

@@ -577,6 +577,8 @@ class GPT(nn.Module):
         the cache the tokens are the same. Pass a cache to inspect it after."""
         if idx.size(1) == 0:
             raise ValueError("empty prompt: generation needs at least one token to condition on")
+        if not (temperature >= 0 and (top_k is None or top_k >= 1) and (top_p is None or 0 < top_p <= 1)):
+            raise ValueError(f"need temperature >= 0, top_k >= 1, 0 < top_p <= 1, not {temperature}, {top_k}, {top_p}")
         block_size = self.config.block_size  # below: the prompt as the tokens sampled are (an inference tensor, contiguous),
         idx = idx.clone(memory_format=torch.contiguous_format)  # else torch.compile makes a graph for its prefill alone
         start = max(0, idx.size(1) - block_size)  # idx[:, start:] is the window

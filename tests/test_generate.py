@@ -65,6 +65,17 @@ def test_sample_top_k_top_p():
     assert draws == {0, 1}
 
 
+def test_generate_refuses_a_sampling_setting_it_would_misread():
+    """A temperature below 0 would sample the least likely tokens first; top_k 0 and a top_p outside (0, 1] keep
+    nothing or everything: each refused before any work, not sampled or failing inside torch."""
+    model = make_model('mha').eval()
+    idx = torch.zeros(1, 3, dtype=torch.long)
+    for bad in (dict(temperature=-1.0), dict(top_k=0), dict(top_p=0.0), dict(top_p=1.5)):
+        with pytest.raises(ValueError, match=r"need temperature >= 0, top_k >= 1, 0 < top_p <= 1, not "):
+            model.generate(idx, 2, **bad)
+    assert model.generate(idx, 2, temperature=0.0, top_k=1, top_p=1.0).shape == (1, 5)
+
+
 @pytest.mark.parametrize('attn', ['mha', 'gqa', 'mla', 'linear', 'gated_deltanet', 'gated_deltanet+gqa'])
 def test_traces_as_one_graph_per_path(attn):  # (the other linear rules share gated_deltanet's code path)
     """torch.compile(fullgraph=True) captures training, prefill, decode and the uncached window without

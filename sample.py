@@ -75,7 +75,8 @@ if found:  # picked for the user: say so if ./out*/ also holds runs on other dat
     others = {}
     for path in (p for d in sorted(glob.glob('out*/')) for p in checkpoints(d)[:1] if p != ckpt_path):
         try:
-            with warnings.catch_warnings(action='ignore'):  # (torch's about a changed pickle byte, say)
+            with warnings.catch_warnings():  # (torch's about a changed pickle byte, say)
+                warnings.simplefilter('ignore')
                 others.setdefault(trained_on(torch.load(path, map_location='cpu', weights_only=True, mmap=True)), path)
         except Exception:  # not ours to judge here: only the picked one must load
             pass

@@ -63,7 +63,7 @@ class GPTConfig:
                  ('rope_base', lambda v: number(v) and 0 < v < math.inf, "must be a finite number > 0"),
                  ('n_embd', lambda v: v % self.n_head == 0, f"must be divisible by n_head={self.n_head}"),
                  ('attn', lambda v: len(self.pattern()) <= self.n_layer,
-                  f"has {len(self.pattern() or '')} layers, more than n_layer={self.n_layer}"),
+                  f"has {len(self.pattern())} layers, more than n_layer={self.n_layer}"),
                  ('attn', lambda v: len(set(self.pattern()) & set(SOFTMAX)) <= 1,
                   f"mixes softmax layouts: a hybrid pairs linear layouts with one of {SOFTMAX}")]
         for field, ok, rule in rules:  # in order: later tests may rely on earlier fields being valid
@@ -77,8 +77,8 @@ class GPTConfig:
             self.bad('n_kv_head' if allowed else 'n_head', f"attn={self.attn!r} with n_head={h} allows {allowed} ({rule})")
         mla_sizes = {'kv_lora_rank': 4 * self.head_dim, 'rope_head_dim': max(2, self.head_dim // 4 * 2), 'q_lora_rank': 0}
         for field, default in mla_sizes.items():  # 0 = DeepSeek-V2's ratios to head_dim; a stack without MLA keeps 0s
-            if softmax != 'mla' and getattr(self, field) not in (0, default):  # (checkpoints converted before 12/2026
-                self.bad(field, f"only attn='mla' uses it; attn={self.attn!r} has no MLA layer")  # hold the defaults)
+            if softmax != 'mla' and getattr(self, field) not in (0, default):  # (old converted checkpoints hold these)
+                self.bad(field, f"only attn='mla' uses it; attn={self.attn!r} has no MLA layer")
             setattr(self, field, (getattr(self, field) or default) if softmax == 'mla' else 0)
         convs = any(a in LINEAR_RULES and a != 'linear' for a in self.pattern())
         if (self.conv_size > max(self.block_size, GPTConfig.conv_size)) if convs else self.conv_size != GPTConfig.conv_size:
@@ -88,8 +88,8 @@ class GPTConfig:
             self.bad('rope_head_dim', "must be even for attn='mla' (RoPE rotates pairs)")
         if self.pos_emb == 'rope' and softmax in ('mha', 'gqa', 'mqa') and self.head_dim % 2:
             self.bad('n_embd', f"n_embd / n_head = {self.head_dim} must be even for RoPE (or use pos_emb='learned')")
-        if self.match_mha_params and mlp_hidden(self) < 1:
-            self.bad('match_mha_params', f"the MLP would need {mlp_hidden(self)} units: the attention alone outweighs "
+        if self.match_mha_params and (hidden := mlp_hidden(self)) < 1:
+            self.bad('match_mha_params', f"the MLP would need {hidden} units: the attention alone outweighs "
                      f"MHA's block (lower {'kv_lora_rank, q_lora_rank' if softmax == 'mla' else 'conv_size'}, or turn it off)")
 
     def bad(self, field, rule):
@@ -123,8 +123,8 @@ class GPTConfig:
         """Elements a cache holds after T tokens (batch 1): the table of the README; all layers, or one layout's."""
         if layout is None:
             return sum(n * self.cache_elements(T, a) for a, n in self.layer_counts().items())
-        hd = self.head_dim  # a linear layout: a state (d_k, d_v) per head whatever T; Katharopoulos adds its z,
-        if layout == 'linear':  # the others the conv's last conv_size - 1 inputs
+        hd = self.head_dim  # a linear layout: a state (d_k, d_v) per head whatever T, + z ('linear') or the conv's inputs
+        if layout == 'linear':
             return self.n_head * hd * (hd + 1)
         if layout in LINEAR_RULES:
             return self.n_head * hd * hd + 3 * self.n_embd * (self.conv_size - 1)
@@ -218,8 +218,7 @@ class Cache:
 # --- The attention layouts: same forward(x, rope, pos, cache) and init_cache(batch, capacity, dtype, device) ---
 
 class Attention(nn.Module):
-    """What the layouts share: heads() splits heads, out() merges them through the layout's c_proj (made after its
-    other projections: the init draws the weights in that order)."""
+    """What the layouts share: heads() splits heads, out() merges them via c_proj (built last: the init's draw order)."""
 
     def __init__(self, config):
         super().__init__()
@@ -327,8 +326,7 @@ def linear_chunked(q, k, v, g, beta, S, delta, chunk_size, keep_state=True):
         C = q.size(2)
         G = g.cumsum(-1)[..., None]                                                   # (B, nh, C, 1)
         causal = torch.ones(C, C, dtype=q.dtype, device=q.device).tril()
-        # e^{G_i - G_j} for j <= i, 0 after: zeroed before the exp, since past the diagonal G_i - G_j > 0 may overflow
-        # it (and not to -inf: a CPU exp of -inf takes a path 3x slower)
+        # e^{G_i - G_j}, 0 above the diagonal: tril before the exp (G_i - G_j > 0 may overflow; -inf: a slow CPU exp)
         decay = (G - G.mT).tril().exp() * causal if gated else causal
         eG = G.exp()
         if delta:  # the errors of the memory on each key, corrected for the writes before it in the chunk
@@ -509,8 +507,8 @@ class GPT(nn.Module):
         ))
         if config.pos_emb == 'learned':
             self.transformer.wpe = nn.Embedding(config.block_size, config.n_embd)
-        uses_rope = config.pos_emb == 'rope' and config.softmax  # the linear layouts: no RoPE
-        self.rope_dim = (config.rope_head_dim if config.softmax == 'mla' else config.head_dim) if uses_rope else 0
+        # RoPE on MLA's d_R (0 without an MLA layer) or a head; the linear layouts have none
+        self.rope_dim = (config.rope_head_dim or config.head_dim) if config.pos_emb == 'rope' and config.softmax else 0
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
         self.transformer.wte.weight = self.lm_head.weight  # weight tying
         self.apply(self._init_weights)
@@ -545,7 +543,7 @@ class GPT(nn.Module):
         """idx (B, L): tokens at positions 0..L-1, or with a cache the L tokens after the len(cache) it holds."""
         B, L = idx.size()
         pos = cache.pos if cache is not None else 0  # a tensor for a static cache: never read on the host
-        if L == 0 or not torch.is_tensor(pos) and pos + L > self.config.block_size:  # (0: nothing to predict from)
+        if L == 0 or (not torch.is_tensor(pos) and pos + L > self.config.block_size):  # (0: nothing to predict from)
             raise ValueError(f"cannot feed {L} tokens at position {pos}: block_size is {self.config.block_size}")
         positions = torch.arange(L, device=idx.device) + pos  # (L,)
         x = self.transformer.wte(idx)  # (B, L, n_embd)
@@ -582,16 +580,16 @@ class GPT(nn.Module):
         block_size = self.config.block_size  # below: the prompt as the tokens sampled are (an inference tensor, contiguous),
         idx = idx.clone(memory_format=torch.contiguous_format)  # else torch.compile makes a graph for its prefill alone
         start = max(0, idx.size(1) - block_size)  # idx[:, start:] is the window
-        new = idx[:, start:]  # the tokens the cache has not seen: the window, then 1 token a step
+        new, prefill = idx[:, start:], True  # the tokens the cache has not seen: the window, then 1 token a step
         cache = (self.init_cache(idx.size(0)) if cache is None else cache) if use_cache else None
         for _ in range(max_new_tokens):
             if idx.size(1) - start > block_size:  # the window is full: slide it forward
                 start = idx.size(1) - max(1, block_size // 2)
-                new = idx[:, start:]
-            if cache is not None and new.size(1) == idx.size(1) - start:  # the whole window: a (re-)prefill
+                new, prefill = idx[:, start:], True
+            if cache is not None and prefill:  # the whole window: a (re-)prefill
                 cache.reset()
             logits, _ = self(new, cache=cache) if cache is not None else self(idx[:, start:])  # else the window again
-            new = sample(logits[:, -1, :].float(), temperature, top_k, top_p)  # (B, 1)
+            new, prefill = sample(logits[:, -1, :].float(), temperature, top_k, top_p), False  # (B, 1)
             idx = torch.cat((idx, new), dim=1)
             yield new
 

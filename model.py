@@ -81,9 +81,10 @@ class GPTConfig:
                 self.bad(field, f"only attn='mla' uses it; attn={self.attn!r} has no MLA layer")
             setattr(self, field, (getattr(self, field) or default) if softmax == 'mla' else 0)
         convs = any(a in LINEAR_RULES and a != 'linear' for a in self.pattern())
-        if (self.conv_size > max(self.block_size, GPTConfig.conv_size)) if convs else self.conv_size != GPTConfig.conv_size:
-            self.bad('conv_size', f"must be <= block_size={self.block_size} (taps further back never see a token)" if convs
-                     else f"only the linear layouts but 'linear' have the short conv; attn={self.attn!r} has none")
+        if convs and self.conv_size > max(self.block_size, GPTConfig.conv_size):
+            self.bad('conv_size', f"must be <= block_size={self.block_size} (taps further back never see a token)")
+        if not convs and self.conv_size != GPTConfig.conv_size:
+            self.bad('conv_size', f"only the linear layouts but 'linear' have the short conv; attn={self.attn!r} has none")
         if softmax == 'mla' and self.rope_head_dim % 2:
             self.bad('rope_head_dim', "must be even for attn='mla' (RoPE rotates pairs)")
         if self.pos_emb == 'rope' and softmax in ('mha', 'gqa', 'mqa') and self.head_dim % 2:
@@ -318,7 +319,8 @@ def linear_chunked(q, k, v, g, beta, S, delta, chunk_size, keep_state=True):
         (I + A) U = diag(β) (V - diag(e^G) K S_0),   A_ij = β_i e^{G_i - G_j} (k_i · k_j) for j < i.
     S None is a zero state (training: its products skipped); keep_state=False skips the last chunk's write to S."""
     # α = 1: log α = 0; a gate clamped at e^-10⁴, 0 as e^-inf is (a -inf, as at exp(A_log) = inf, makes G_i - G_i nan)
-    gated, g = g is not None, torch.zeros_like(beta) if g is None else g.clamp(min=-1e4)
+    gated = g is not None
+    g = torch.zeros_like(beta) if g is None else g.clamp(min=-1e4)
     # chunks of C tokens, the last shorter (one chunk unsplit: split's backward would copy it whole)
     each = [x.split(chunk_size, dim=2) if x.size(2) > chunk_size else [x] for x in (q, k, v, g, beta)]
     out = []

@@ -29,6 +29,7 @@ import signal
 import stat
 import sys
 import warnings
+import zipfile
 from contextlib import contextmanager
 from dataclasses import replace
 
@@ -147,6 +148,8 @@ def read_checkpoint(path, device='cpu', keys=('model', 'model_args')):
         raise FileError(f"cannot load checkpoint {path}: {reason}") from None
     if what := damaged(path):  # torch.load reads a changed byte as a changed weight
         raise FileError(f"cannot load checkpoint {path}: corrupted: {what}")
+    if not zipfile.is_zipfile(path):  # torch.save's format before torch 1.6: a changed byte would load unnoticed
+        raise FileError(f"cannot load checkpoint {path}: torch.save's old format, with no CRCs to check it by; re-save it")
     kinds = {'model': dict, 'optimizer': dict, 'model_args': dict, 'iter_num': int, 'best_val_loss': float}
     wrong = [k for k in keys if not isinstance(ckpt, dict) or not isinstance(ckpt.get(k), kinds[k])]
     wrong += [k for k, ok in (('iter_num', lambda v: v >= 0), ('best_val_loss', lambda v: v == v)) if k in keys
@@ -166,15 +169,15 @@ def read_checkpoint(path, device='cpu', keys=('model', 'model_args')):
 def damaged(path):
     """What fails in a torch.save file (a zip): a part whose bytes fail their CRC-32, or headers that do not read
     (torch.load checks neither, and reads a changed name length as weights from shifted bytes); None if whole."""
-    import zipfile
-    if not os.path.isfile(path) or not zipfile.is_zipfile(path):  # not a zip at all: torch.load says why
-        return None
     try:
-        with zipfile.ZipFile(path) as z:
+        if not os.path.isfile(path) or not zipfile.is_zipfile(path):  # not a zip at all: torch.load says why
+            return None
+        with zipfile.ZipFile(path) as z:  # torch.save marks no part a folder; torch.load would read one as a tensor
+            folder = next((i.filename for i in z.infolist() if i.is_dir() or i.external_attr & 0x10), None)  # of junk
             part = z.testzip()
-        return part and f"{part} fails its CRC check"
     except Exception as e:
         return f"its zip headers do not read ({describe(e)})"
+    return f"{folder} is marked a folder in the zip's directory" if folder else part and f"{part} fails its CRC check"
 
 
 def weights(ckpt):
@@ -222,14 +225,16 @@ def kept(out_dir):
 def newest_out_dir():
     """The out*/ folder here with the newest checkpoint (the folders train.py's configs write), or 'out'."""
     from glob import glob
-    return os.path.dirname(max(glob('out*/ckpt.pt') + glob('out*/last.pt'), key=os.path.getmtime, default='out/'))
+    found = [p for p in glob('out*/ckpt.pt') + glob('out*/last.pt') if os.path.isfile(p)]  # (not a folder, a broken link)
+    return os.path.dirname(max(found, key=lambda p: os.stat(p).st_mtime if os.path.isfile(p) else 0, default='out/'))
 
 
 def trained_on(ckpt):
     """The data a checkpoint was trained on, in words: its data_dir or dataset, and its vocabulary's size."""
     config, meta = ckpt.get('config') or {}, ckpt.get('meta') or {}
     data = config.get('data_dir') or config.get('dataset') if isinstance(config, dict) else None
-    return f"{data or 'unknown data'} ({meta.get('vocab_size', '?'):,} tokens)" if isinstance(meta, dict) else 'unknown data'
+    vocab = meta.get('vocab_size') if isinstance(meta, dict) else None
+    return f"{data or 'unknown data'} ({f'{vocab:,}' if isinstance(vocab, int) else '?'} tokens)"
 
 
 def resume_state(out_dir, device, meta, asked, data_dir):

@@ -93,7 +93,7 @@ check_memory(num_params(cfg) * ptdtype.itemsize + num_samples * (
 try:
     model = GPT(cfg)
     model.load_state_dict(weights(ckpt))
-    meta = check_meta(ckpt['meta'])
+    meta = check_meta(ckpt.get('meta'))
     if meta['vocab_size'] != cfg.vocab_size:
         raise ValueError(f"its vocabulary has {meta['vocab_size']} tokens, its model {cfg.vocab_size}")
     if not all(torch.isfinite(p).all() for p in model.parameters()):

@@ -255,3 +255,36 @@ def test_a_changed_name_length_in_the_zip_is_named_corrupted_not_loaded_shifted(
             read_checkpoint(str(tmp_path / 'bad.pt'))
     read_checkpoint(str(tmp_path / 'good.pt'))
 
+
+
+def test_a_part_marked_a_folder_a_bad_zip64_locator_and_the_old_format_are_refused(tmp_path):
+    """One bit of a central-directory entry (the DOS folder attribute) makes torch.load fill that tensor with
+    whatever memory held, while every CRC still checks; a changed disk number in the zip64 locator made zipfile's
+    is_zipfile raise (a traceback); torch.save's old, non-zip format has no CRC at all. Each is one FileError."""
+    import struct
+    from dataclasses import asdict
+    from checkpoint import FileError, read_checkpoint
+    from model import GPT, GPTConfig
+    cfg = GPTConfig(n_layer=1, n_head=2, n_embd=16, block_size=16)
+    state = {'model': GPT(cfg).state_dict(), 'model_args': asdict(cfg)}
+    torch.save(state, tmp_path / 'good.pt')
+    good = (tmp_path / 'good.pt').read_bytes()
+    folder, at = bytearray(good), good.find(b'PK\x01\x02')  # the central directory's entries
+    while True:
+        name_len, extra, comment = struct.unpack('<HHH', folder[at + 28:at + 34])
+        if folder[at + 46:at + 46 + name_len].endswith(b'data/0'):
+            folder[at + 38] |= 0x10  # the external attributes' low byte: MS-DOS "directory"
+            break
+        at += 46 + name_len + extra + comment
+    locator = bytearray(good)
+    locator[good.rfind(b'PK\x06\x07') + 4] = 1  # "the zip64 end record is on disk 1"
+    torch.save(state, tmp_path / 'old.pt', _use_new_zipfile_serialization=False)
+    torch.load(tmp_path / 'old.pt', weights_only=True)  # loads: nothing in it to check against
+    for name, data, message in (('folder.pt', folder, r"corrupted: .*data/0 is marked a folder"),
+                                ('locator.pt', locator, r"corrupted|truncated"),
+                                ('old.pt', None, r"torch.save's old format, with no CRCs to check it by")):
+        if data is not None:
+            (tmp_path / name).write_bytes(data)
+        with pytest.raises(FileError, match=message):
+            read_checkpoint(str(tmp_path / name), keys=('model',))
+    read_checkpoint(str(tmp_path / 'good.pt'), keys=('model',))

@@ -212,7 +212,8 @@ def test_a_changed_pickle_protocol_is_one_line_without_torchs_warning(tmp_path, 
     at = good.find(b'\x80\x02')  # the pickle's PROTO opcode and its protocol, 2
     for name in ('out-bad', 'out-good'):  # out-good the newer: picked, out-bad looked into for its data
         os.mkdir(tmp_path / name)
-        (tmp_path / name / 'ckpt.pt').write_bytes(good[:at + 1] + bytes([7]) * (name == 'out-bad') + good[at + 1 + (name == 'out-bad'):])
+        changed = name == 'out-bad'
+        (tmp_path / name / 'ckpt.pt').write_bytes(good[:at + 1] + bytes([7]) * changed + good[at + 1 + changed:])
     os.utime(tmp_path / 'out-bad' / 'ckpt.pt', (1, 1))
     with pytest.warns(UserWarning, match='pickle protocol 7'):  # what the check keeps back
         torch.load(tmp_path / 'out-bad' / 'ckpt.pt', weights_only=True)
@@ -225,3 +226,27 @@ def test_a_changed_pickle_protocol_is_one_line_without_torchs_warning(tmp_path, 
     monkeypatch.setattr(torch, 'load', lambda *a, **k: (warnings.warn('a load that succeeds'), load(*a, **k))[1])
     with pytest.warns(UserWarning, match='a load that succeeds'):
         read_checkpoint(os.path.join(ckpt_dir, 'ckpt.pt'))
+
+
+def test_sample_as_typed_passes_over_out_folders_it_cannot_use(tmp_path, ckpt_dir):
+    """sample.py with no --out_dir picks the newest checkpoint of ./out*/: a broken link, a link loop or a folder
+    named ckpt.pt in another out*/ folder is passed over (it raised, or hid the good one), and a picked checkpoint
+    without meta is still described (its vocabulary's size formatted with ',': a traceback)."""
+    shutil.copytree(ckpt_dir, tmp_path / 'out-good')
+    os.utime(tmp_path / 'out-good' / 'ckpt.pt', (1, 1))  # the oldest of them all
+    for name in ('out-broken', 'out-loop', 'out-folder'):
+        os.mkdir(tmp_path / name)
+    os.symlink(tmp_path / 'nowhere', tmp_path / 'out-broken' / 'ckpt.pt')
+    os.symlink(tmp_path / 'out-loop' / 'ckpt.pt', tmp_path / 'out-loop' / 'ckpt.pt')
+    os.mkdir(tmp_path / 'out-folder' / 'ckpt.pt')
+    cwd = lambda: subprocess.run([sys.executable, os.path.join(ROOT, 'sample.py'), '--max_new_tokens=2', '--num_samples=1'],
+                                 cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    r = cwd()
+    assert r.returncode == 0 and r.stderr.startswith(f"sampling {os.path.join('out-good', 'ckpt.pt')}: mla, "), r.stderr
+    state = torch.load(tmp_path / 'out-good' / 'ckpt.pt', weights_only=True)
+    del state['meta']
+    torch.save(state, tmp_path / 'out-good' / 'ckpt.pt')
+    r = cwd()  # said what it picked, then why it cannot sample it
+    assert r.returncode == 2 and " (? tokens), iteration 40" in r.stderr.splitlines()[0], r.stderr
+    assert r.stderr.splitlines()[1:] == [f"error: cannot load checkpoint {os.path.join('out-good', 'ckpt.pt')}: ValueError: meta has no "
+                                         f"vocab_size in [1, 65536] (token ids are uint16)"]

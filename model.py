@@ -575,10 +575,13 @@ class GPT(nn.Module):
         """Yield the new tokens (B, 1) one step at a time. The model sees a window of at most block_size tokens;
         when it is full it slides forward, keeping its last half, positions restarting at 0: with and without
         the cache the tokens are the same. Pass a cache to inspect it after."""
-        if idx.size(1) == 0:
-            raise ValueError("empty prompt: generation needs at least one token to condition on")
-        if not (temperature >= 0 and (top_k is None or top_k >= 1) and (top_p is None or 0 < top_p <= 1)):
-            raise ValueError(f"need temperature >= 0, top_k >= 1, 0 < top_p <= 1, not {temperature}, {top_k}, {top_p}")
+        if idx.dim() != 2 or idx.size(1) == 0:
+            raise ValueError(f"empty prompt, or not (B, T): {tuple(idx.shape)}; generation needs a token to condition on")
+        ok = (max_new_tokens >= 0 and (temperature == 0 or 1e-6 <= temperature <= 1e6)  # (logits / it stays finite)
+              and (top_k is None or isinstance(top_k, int) and top_k >= 1) and (top_p is None or 0 < top_p <= 1))
+        if not ok:
+            raise ValueError(f"need max_new_tokens >= 0, temperature 0 or in [1e-6, 1e6], an integer top_k >= 1, "
+                             f"0 < top_p <= 1, not {max_new_tokens}, {temperature}, {top_k}, {top_p}")
         block_size = self.config.block_size  # below: the prompt as the tokens sampled are (an inference tensor, contiguous),
         idx = idx.clone(memory_format=torch.contiguous_format)  # else torch.compile makes a graph for its prefill alone
         start = max(0, idx.size(1) - block_size)  # idx[:, start:] is the window

@@ -44,7 +44,7 @@ globals().update(configure({k: globals()[k] for k in config_keys if k != 'config
 
 for name, ok, rule in (('max_new_tokens', max_new_tokens >= 0, '>= 0'), ('top_k', top_k >= 1, '>= 1'),
                        ('top_p', 0 < top_p <= 1, 'in (0, 1]'),
-                       ('temperature', temperature == 0 or temperature >= 1e-6, '0 (greedy) or >= 1e-6'),
+                       ('temperature', temperature == 0 or 1e-6 <= temperature <= 1e6, '0 (greedy) or in [1e-6, 1e6]'),
                        ('seed', 0 <= seed < 2 ** 62, 'in [0, 2**62)'),
                        ('num_samples', num_samples >= 1, '>= 1'),
                        ('max_new_tokens', max_new_tokens >= 1 or not compare, '>= 1 with --compare'),

@@ -66,14 +66,19 @@ def test_sample_top_k_top_p():
 
 
 def test_generate_refuses_a_sampling_setting_it_would_misread():
-    """A temperature below 0 would sample the least likely tokens first; top_k 0 and a top_p outside (0, 1] keep
-    nothing or everything: each refused before any work, not sampled or failing inside torch."""
+    """A temperature below 0 would sample the least likely tokens first, one below 1e-6 or above 1e6 makes logits /
+    temperature inf or 0 (nan probabilities); top_k 0 or 2.5 and a top_p outside (0, 1] keep nothing or fail in
+    torch; a negative max_new_tokens returned the prompt; a 1-D prompt failed on its size: each refused at once."""
     model = make_model('mha').eval()
     idx = torch.zeros(1, 3, dtype=torch.long)
-    for bad in (dict(temperature=-1.0), dict(top_k=0), dict(top_p=0.0), dict(top_p=1.5)):
-        with pytest.raises(ValueError, match=r"need temperature >= 0, top_k >= 1, 0 < top_p <= 1, not "):
-            model.generate(idx, 2, **bad)
-    assert model.generate(idx, 2, temperature=0.0, top_k=1, top_p=1.0).shape == (1, 5)
+    for bad in (dict(temperature=-1.0), dict(temperature=1e-40), dict(temperature=1e300), dict(temperature=float('nan')),
+                dict(top_k=0), dict(top_k=2.5), dict(top_p=0.0), dict(top_p=1.5), dict(max_new_tokens=-1)):
+        with pytest.raises(ValueError, match=r"need max_new_tokens >= 0, temperature 0 or in \[1e-6, 1e6\], an integ"):
+            model.generate(idx, **{'max_new_tokens': 2, **bad})
+    for prompt in (idx[0], idx[:, :0]):
+        with pytest.raises(ValueError, match=r"empty prompt, or not \(B, T\)"):
+            model.generate(prompt, 2)
+    assert model.generate(idx, 2, temperature=1e-6, top_k=1, top_p=1.0).shape == (1, 5)
 
 
 @pytest.mark.parametrize('attn', ['mha', 'gqa', 'mla', 'linear', 'gated_deltanet', 'gated_deltanet+gqa'])

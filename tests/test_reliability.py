@@ -210,7 +210,7 @@ SAMPLE_CASES = [  # (prompt and sampling values: tests/test_sample.py)
     (['--start=FILE:LATIN1'], "is not UTF-8 text (byte 10)"),
     (['--device=foo'], "device='foo' should be cpu, cuda or cuda:N"),
     (['--seed=99999999999999999999999'], "seed=99999999999999999999999 must be in [0, 2**62)"),
-    (['--temperature=1e-300'], "temperature=1e-300 must be 0 (greedy) or >= 1e-6"),
+    (['--temperature=1e-300'], "temperature=1e-300 must be 0 (greedy) or in [1e-6, 1e6]"),
 ]
 
 

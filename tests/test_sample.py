@@ -122,7 +122,8 @@ def test_top_p_tiny_is_greedy_and_top_k_one_is_greedy(ckpt_dir):
     (['--top_p=1.5'], "top_p=1.5 must be in (0, 1]"),
     (['--num_samples=1000000000'], "num_samples=1000000000: the weights, caches and activations need at least"),
     (['--compare', '--use_cache=False'], "use_cache=False must be True with --compare (it runs both ways)"),
-    (['--temperature=-1'], "temperature=-1.0 must be 0 (greedy) or >= 1e-6"),
+    (['--temperature=-1'], "temperature=-1.0 must be 0 (greedy) or in [1e-6, 1e6]"),
+    (['--temperature=1e300'], "temperature=1e+300 must be 0 (greedy) or in [1e-6, 1e6]"),  # logits / it: 0 or nan
     (['--start=FILE:/no/such'], "cannot read the prompt file '/no/such'"),
     (['--start=FILE:/dev/zero'], "the prompt file '/dev/zero' holds more than 67,108,864 bytes"),  # not all read
     (['--device=tpu'], "device='tpu' should be cpu, cuda or cuda:N"),

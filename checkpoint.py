@@ -142,6 +142,8 @@ def read_checkpoint(path, device='cpu', keys=('model', 'model_args')):
         if damaged(path) or 'zip archive' in reason or getattr(e, 'errno', None) == errno.EINVAL or isinstance(
                 e, (EOFError, UnicodeDecodeError)):  # cut short, or bytes changed
             reason = f"truncated or corrupted, not a whole torch.save file ({os.stat(path).st_size:,} bytes)"
+        elif open(path, 'rb').read(1) not in (b'P', b'\x80'):  # (torch would speak of a .tar format, or a KeyError)
+            reason = "not a torch.save file: it begins as neither a zip nor a pickle does"
         elif 'weights_only' in reason:  # torch's advice to retry unsafely: never for a file we cannot vouch for
             unpickler = ' '.join(str(e).split('Unpickler error:')[-1].split('Check the documentation')[0].split())
             reason = f"not a file of tensors that loads safely ({unpickler[:120]})"

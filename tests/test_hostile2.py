@@ -260,7 +260,8 @@ def test_a_changed_name_length_in_the_zip_is_named_corrupted_not_loaded_shifted(
 def test_a_part_marked_a_folder_a_bad_zip64_locator_and_the_old_format_are_refused(tmp_path):
     """One bit of a central-directory entry (the DOS folder attribute) makes torch.load fill that tensor with
     whatever memory held, while every CRC still checks; a changed disk number in the zip64 locator made zipfile's
-    is_zipfile raise (a traceback); torch.save's old, non-zip format has no CRC at all. Each is one FileError."""
+    is_zipfile raise (a traceback); torch.save's old, non-zip format has no CRC at all; zeros or text are no
+    torch.save file at all, said so. Each is one FileError."""
     import struct
     from dataclasses import asdict
     from checkpoint import FileError, read_checkpoint
@@ -282,7 +283,9 @@ def test_a_part_marked_a_folder_a_bad_zip64_locator_and_the_old_format_are_refus
     torch.load(tmp_path / 'old.pt', weights_only=True)  # loads: nothing in it to check against
     for name, data, message in (('folder.pt', folder, r"corrupted: .*data/0 is marked a folder"),
                                 ('locator.pt', locator, r"corrupted|truncated"),
-                                ('old.pt', None, r"torch.save's old format, with no CRCs to check it by")):
+                                ('old.pt', None, r"torch.save's old format, with no CRCs to check it by"),
+                                ('zeros.pt', bytes(4096), r"not a torch.save file: it begins as neither a zip nor a pickle"),
+                                ('text.pt', b'hello world', r"not a torch.save file")):  # (torch: .tar advice; KeyError)
         if data is not None:
             (tmp_path / name).write_bytes(data)
         with pytest.raises(FileError, match=message):

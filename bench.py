@@ -280,6 +280,8 @@ def roofline(layouts, sizes, batch, contexts, device, dtype, compile=False, unca
                 cache = model.init_cache(batch, static=kind == 'compiled')
                 for i in range(0, t, chunk):  # prefill in chunks: bounded memory for the materialized attention
                     model(idx[:, i:min(i + chunk, t)], cache=cache)
+                    if (i // chunk + 1) % 64 == 0:  # a long context's prefill takes minutes: say where it is
+                        progress(f"{attn}, {kind}: prefilled {min(i + chunk, t):,} of {t:,} tokens")
 
                 def step(model=model, token=idx[:, t:t + 1], cache=cache, t=t):  # the token at t again: the same work
                     cache.pos = cache.pos.fill_(t) if torch.is_tensor(cache.pos) else t  # (in place for a static cache)

@@ -77,6 +77,15 @@ def test_roofline_times_a_compiled_step():
     assert bandwidth > 1e8 and rate > 1e8
 
 
+def test_a_long_prefill_says_where_it_is(capsys):
+    """Prefilling a long context (hours at 2^20 tokens on a CPU) prints a progress line every 64 chunks."""
+    bench_module.roofline(['linear'], dict(n_layer=1, n_head=2, n_embd=8), 1, [130], 'cpu', torch.float32, rounds=1,
+                          chunk=1)
+    said = [line.split('] ', 1)[1] for line in capsys.readouterr().err.splitlines()]
+    assert said == ['decode steps at batch 1: linear', 'linear, eager: prefilled 64 of 130 tokens',
+                    'linear, eager: prefilled 128 of 130 tokens']
+
+
 @pytest.mark.slow
 def test_generation_compiled_over_a_static_cache_gives_the_same_tokens():
     table = bench_module.generation(['gqa', 'linear'], dict(n_layer=1, n_head=4, n_embd=16), 'cpu', torch.float32,

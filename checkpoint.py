@@ -228,7 +228,8 @@ def newest_out_dir():
     """The out*/ folder here with the newest checkpoint (the folders train.py's configs write), or 'out'."""
     from glob import glob
     found = [p for p in glob('out*/ckpt.pt') + glob('out*/last.pt') if os.path.isfile(p)]  # (not a folder, a broken link)
-    return os.path.dirname(max(found, key=lambda p: os.stat(p).st_mtime if os.path.isfile(p) else 0, default='out/'))
+    mtime = lambda p: os.stat(p).st_mtime if os.path.isfile(p) else 0  # (again: a live run deletes last.pt as it saves)
+    return os.path.dirname(max(found, key=mtime, default='out/'))
 
 
 def trained_on(ckpt):

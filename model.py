@@ -585,16 +585,16 @@ class GPT(nn.Module):
         block_size = self.config.block_size  # below: the prompt as the tokens sampled are (an inference tensor, contiguous),
         idx = idx.clone(memory_format=torch.contiguous_format)  # else torch.compile makes a graph for its prefill alone
         start = max(0, idx.size(1) - block_size)  # idx[:, start:] is the window
-        new, prefill = idx[:, start:], True  # the tokens the cache has not seen: the window, then 1 token a step
+        new = idx[:, start:]  # the tokens the cache has not seen: the window, then 1 token a step
         cache = (self.init_cache(idx.size(0)) if cache is None else cache) if use_cache else None
         for _ in range(max_new_tokens):
             if idx.size(1) - start > block_size:  # the window is full: slide it forward
                 start = idx.size(1) - max(1, block_size // 2)
-                new, prefill = idx[:, start:], True
-            if cache is not None and prefill:  # the whole window: a (re-)prefill
+                new = idx[:, start:]
+            if cache is not None and new.size(1) == idx.size(1) - start:  # the whole window: a (re-)prefill
                 cache.reset()
             logits, _ = self(new, cache=cache) if cache is not None else self(idx[:, start:])  # else the window again
-            new, prefill = sample(logits[:, -1, :].float(), temperature, top_k, top_p), False  # (B, 1)
+            new = sample(logits[:, -1, :].float(), temperature, top_k, top_p)  # (B, 1)
             idx = torch.cat((idx, new), dim=1)
             yield new
 

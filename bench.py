@@ -35,7 +35,8 @@ from torch.utils.flop_counter import FlopCounterMode
 from checkpoint import FileError, write_atomic
 from configurator import (Parser, check_device, check_memory, checked, describe, fail, memory_errors_in_one_line, num_params,
                           parse_value)
-from model import GPT, GPTConfig, ATTN_LAYOUTS, linear_chunked
+from linear import linear_chunked
+from model import GPT, GPTConfig, ATTN_LAYOUTS
 
 os.environ.setdefault('KINETO_LOG_LEVEL', '6')  # no 'USDT: profiler_start' lines (inductor profiles GPU kernels)
 START = time.time()

@@ -4,15 +4,18 @@ attention with n_kv_head K/V heads), MLA (DeepSeek-V2) and the linear-attention 
 every token: Katharopoulos, RetNet, Mamba-2, DeltaNet, Gated DeltaNet), or a per-layer mix of them ('hybrid').
 Training / prefill feeds L = S = T tokens under a causal mask; decode feeds L = 1 token that attends to
 S = T + 1 keys. k_j, v_j depend only on tokens <= j, so each layout caches them (or a state); q is not cached.
+The linear family's maths is in linear.py; this file is the switch: LAYOUTS names each layout's class.
 """
 
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 
 import torch
 import torch.nn as nn
 from torch.nn import functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from linear import ShortConv, l2norm, linear_chunked, linear_step, phi
 
 # The linear layouts, the founding chapter's table: each keeps a fixed state S per head and rewrites it every token,
 #     S_t = α_t S_{t-1} (I - β_t k_t k_tᵀ) + β_t v_t k_tᵀ,     o_t = S_t q_t,
@@ -24,8 +27,7 @@ LINEAR_RULES = {  # layout: (forget: α_t, correct: the delta rule)
     'deltanet':       (None,    True),   # DeltaNet (Schlag et al. 2021; Yang et al. 2024): β_t = σ(W_β x), α = 1
     'gated_deltanet': ('gate',  True),   # Gated DeltaNet (Yang, Kautz, Hatamizadeh 2024): both
 }
-SOFTMAX = ('mha', 'gqa', 'mqa', 'mla')
-ATTN_LAYOUTS = (*SOFTMAX, *LINEAR_RULES)
+LAYER_FIELDS = {'n_kv_head': 0, 'kv_lora_rank': 0, 'rope_head_dim': 0, 'q_lora_rank': 0, 'conv_size': 4}  # defaults
 
 @dataclass
 class GPTConfig:
@@ -36,7 +38,7 @@ class GPTConfig:
     n_embd: int = 384
     dropout: float = 0.0
     bias: bool = False         # bias in Linears and LayerNorms, like GPT-2
-    attn: str = 'mha'          # one of ATTN_LAYOUTS, or a hybrid 'gated_deltanet*3+gqa': per layer, repeated over n_layer
+    attn: str = 'mha'          # a name of LAYOUTS, or a hybrid 'gated_deltanet*3+gqa': per layer, repeated
     n_kv_head: int = 0         # K/V heads; 0 = the layout's: mha n_head, gqa n_head's smallest divisor > 1, mqa 1
     pos_emb: str = 'rope'      # 'rope', or nanoGPT's 'learned' absolute positions
     rope_base: float = 10000.0
@@ -48,65 +50,58 @@ class GPTConfig:
     match_mha_params: bool = False  # widen/narrow the MLP so the model has MHA's parameter count
 
     def __post_init__(self):
-        number = lambda v: isinstance(v, (int, float)) and not isinstance(v, bool)  # (True is an int to Python)
-        whole = lambda least: (lambda v: number(v) and isinstance(v, int) and v >= least, f"must be an integer >= {least}")
-        wrong = [p for p in self.attn.split('+') if not self.pattern(p)] if isinstance(self.attn, str) else []
-        rules = [('attn', lambda v: isinstance(v, str) and bool(self.pattern()),  # (field, test, rule)
-                  f"must be one of {ATTN_LAYOUTS}, or a hybrid of them like 'gated_deltanet*3+gqa' (a count from 1 to "
-                  f"999999){''.join(f'; not {p!r}' for p in wrong[:3] if len(wrong) < len(self.attn.split('+')))}"),
-                 ('pos_emb', lambda v: v in ('rope', 'learned'), "must be one of ('rope', 'learned')"),
-                 *[(f, *whole(1)) for f in ('block_size', 'vocab_size', 'n_layer', 'n_head', 'n_embd', 'chunk_size',
-                                            'conv_size')],
-                 *[(f, *whole(0)) for f in ('n_kv_head', 'q_lora_rank', 'kv_lora_rank', 'rope_head_dim')],
-                 *[(f, lambda v: isinstance(v, bool), "must be True or False") for f in ('bias', 'match_mha_params')],
-                 ('dropout', lambda v: number(v) and 0.0 <= v < 1.0, "must be a number in [0, 1)"),
-                 ('rope_base', lambda v: number(v) and 0 < v < math.inf, "must be a finite number > 0"),
-                 ('n_embd', lambda v: v % self.n_head == 0, f"must be divisible by n_head={self.n_head}"),
-                 ('attn', lambda v: len(self.pattern()) <= self.n_layer,
-                  f"has {len(self.pattern())} layers, more than n_layer={self.n_layer}"),
-                 ('attn', lambda v: len(set(self.pattern()) & set(SOFTMAX)) <= 1,
-                  f"mixes softmax layouts: a hybrid pairs linear layouts with one of {SOFTMAX}")]
-        for field, ok, rule in rules:  # in order: later tests may rely on earlier fields being valid
-            if not ok(getattr(self, field)):
-                self.bad(field, rule)
-        h, softmax = self.n_head, self.softmax  # K/V head counts each layout allows; mla and linear: n_head, none shared
-        allowed = {'mha': [h], 'mqa': [1], 'gqa': [d for d in range(2, h) if h % d == 0]}.get(softmax, [h])
-        self.n_kv_head = self.n_kv_head or (allowed[0] if allowed else 0)  # 0 = the layout's default
-        if self.n_kv_head not in allowed:
-            rule = 'divisors 1 < d < n_head' if softmax == 'gqa' else 'or 0, its default'
-            self.bad('n_kv_head' if allowed else 'n_head', f"attn={self.attn!r} with n_head={h} allows {allowed} ({rule})")
-        mla_sizes = {'kv_lora_rank': 4 * self.head_dim, 'rope_head_dim': max(2, self.head_dim // 4 * 2), 'q_lora_rank': 0}
-        for field, default in mla_sizes.items():  # 0 = DeepSeek-V2's ratios to head_dim; a stack without MLA keeps 0s
-            if softmax != 'mla' and getattr(self, field) not in (0, default):  # (old converted checkpoints hold these)
-                self.bad(field, f"only attn='mla' uses it; attn={self.attn!r} has no MLA layer")
-            setattr(self, field, (getattr(self, field) or default) if softmax == 'mla' else 0)
-        convs = any(a in LINEAR_RULES and a != 'linear' for a in self.pattern())
-        if convs and self.conv_size > max(self.block_size, GPTConfig.conv_size):
-            self.bad('conv_size', f"must be <= block_size={self.block_size} (taps further back never see a token)")
-        if not convs and self.conv_size != GPTConfig.conv_size:
-            self.bad('conv_size', f"only the linear layouts but 'linear' have the short conv; attn={self.attn!r} has none")
-        if softmax == 'mla' and self.rope_head_dim % 2:
-            self.bad('rope_head_dim', "must be even for attn='mla' (RoPE rotates pairs)")
-        if self.pos_emb == 'rope' and softmax in ('mha', 'gqa', 'mqa') and self.head_dim % 2:
-            self.bad('n_embd', f"n_embd / n_head = {self.head_dim} must be even for RoPE (or use pos_emb='learned')")
+        for f in fields(self):  # a checkpoint's model_args may hold anything (True is an int to Python: refused)
+            kind = type(getattr(self, f.name))
+            if kind is not f.type and not (kind is int and f.type is float):
+                self.bad(f.name, f"must be of type {f.type.__name__}")
+        for name in ('block_size', 'vocab_size', 'n_layer', 'n_head', 'n_embd', 'chunk_size', 'conv_size'):
+            if getattr(self, name) < 1:
+                self.bad(name, "must be >= 1")
+        for name in ('n_kv_head', 'kv_lora_rank', 'rope_head_dim', 'q_lora_rank'):
+            if getattr(self, name) < 0:
+                self.bad(name, "must be >= 0")
+        if not 0 <= self.dropout < 1:
+            self.bad('dropout', "must be in [0, 1)")
+        if not 0 < self.rope_base < math.inf:
+            self.bad('rope_base', "must be a finite number > 0")
+        if self.pos_emb not in ('rope', 'learned'):
+            self.bad('pos_emb', "must be 'rope' or 'learned'")
+        if self.n_embd % self.n_head:
+            self.bad('n_embd', f"must be divisible by n_head={self.n_head}")
+        layouts = set(self.pattern())
+        if len([a for a in layouts if a not in LINEAR_RULES]) > 1:
+            self.bad('attn', "mixes softmax layouts: a hybrid pairs linear layouts with one softmax layout")
+        for layout in sorted(layouts):  # each layout's own rules, and the defaults of the fields it uses
+            LAYOUTS[layout].configure(self, layout)
+        used = {f for a in layouts for f in LAYOUTS[a].uses(a)}  # the others keep their defaults (or what an older
+        old = dict(n_kv_head=self.n_head, kv_lora_rank=4 * self.head_dim, rope_head_dim=max(2, self.head_dim // 4 * 2))
+        for name, default in LAYER_FIELDS.items():  # train.py filled in: each head its K/V, MLA's sizes)
+            if name not in used and getattr(self, name) not in (default, old.get(name)):
+                self.bad(name, f"no layer of attn={self.attn!r} uses it")
+            setattr(self, name, getattr(self, name) if name in used else default)
         if self.match_mha_params and (hidden := mlp_hidden(self)) < 1:
-            self.bad('match_mha_params', f"the MLP would need {hidden} units: the attention alone outweighs "
-                     f"MHA's block (lower {'kv_lora_rank, q_lora_rank' if softmax == 'mla' else 'conv_size'}, or turn it off)")
+            self.bad('match_mha_params', f"the MLP would need {hidden} units: the attention alone outweighs MHA's "
+                     "block (lower its sizes, or turn it off)")
 
     def bad(self, field, rule):
         raise ValueError(f"GPTConfig.{field}={getattr(self, field)!r} is invalid: {rule}")
 
-    def pattern(self, attn=None):
-        """'gated_deltanet*3+gqa' -> [gated_deltanet, gated_deltanet, gated_deltanet, gqa]; [] if not one."""
-        attn = self.attn if attn is None else attn
-        parts = [p.partition('*') for p in attn.split('+')] if isinstance(attn, str) else [('', '', '')]
-        ok = all(name in ATTN_LAYOUTS and (not star or n.isascii() and n.isdigit() and 0 < int(n.lstrip('0')[:7] or 0)
-                 < 10 ** 6) for name, star, n in parts)  # (a count of a million layers is refused before it is built)
-        return [name for name, _, n in parts for _ in range(int(n or 1))] if ok else []
+    def pattern(self):
+        """'gated_deltanet*3+gqa' -> ['gated_deltanet'] * 3 + ['gqa']: one period of the layers."""
+        parts = [(p, *p.partition('*')[::2]) for p in self.attn.split('+')]
+        count = lambda n: not n or n.isascii() and n.isdigit() and int(n) > 0  # name*n: a count >= 1, or none
+        wrong = [p for p, name, n in parts if name not in LAYOUTS or not count(n)]
+        if wrong:
+            self.bad('attn', f"must be one of {tuple(LAYOUTS)}, or a hybrid of them like 'gated_deltanet*3+gqa'"
+                     + (f"; not {wrong[0]!r}" if len(parts) > 1 else ''))
+        if (length := sum(int(n or 1) for _, _, n in parts)) > self.n_layer:
+            self.bad('attn', f"has {length} layers, more than n_layer={self.n_layer}")
+        return [name for _, name, n in parts for _ in range(int(n or 1))]
 
     @property
     def layouts(self):  # each layer's: the pattern repeated over n_layer (Qwen3-Next's 3:1 on 6 layers: 3, 1, 2)
-        return [p[i % len(p)] for p in [self.pattern()] for i in range(self.n_layer)]  # (parsed once)
+        pattern = self.pattern()
+        return [pattern[i % len(pattern)] for i in range(self.n_layer)]
 
     def layer_counts(self):  # {layout: its number of layers}, counted without listing them (n_layer may be huge)
         p, (full, rest) = self.pattern(), divmod(self.n_layer, len(self.pattern()))
@@ -114,22 +109,28 @@ class GPTConfig:
 
     @property
     def softmax(self):  # the softmax layout of the stack, or None if every layer is linear
-        return next((a for a in self.pattern() if a in SOFTMAX), None)
+        return next((a for a in self.pattern() if a not in LINEAR_RULES), None)
 
     @property
     def head_dim(self):
         return self.n_embd // self.n_head
 
+    def used_fields(self):
+        """The fields this stack's layers use (the others keep their defaults: nothing reads them)."""
+        used = {f for a in set(self.pattern()) for f in LAYOUTS[a].uses(a)}
+        used |= {'rope_base'} if self.pos_emb == 'rope' and self.softmax else set()
+        return [f.name for f in fields(self) if f.name not in {*LAYER_FIELDS, 'chunk_size', 'rope_base'} - used]
+
+    def flags(self, other):
+        """The --key=value settings of the fields this config uses that differ from other's."""
+        return [f"--{k}={getattr(self, k)}" for k in self.used_fields()
+                if k != 'vocab_size' and getattr(self, k) != getattr(other, k)]
+
     def cache_elements(self, T, layout=None):
         """Elements a cache holds after T tokens (batch 1): the table of the README; all layers, or one layout's."""
         if layout is None:
             return sum(n * self.cache_elements(T, a) for a, n in self.layer_counts().items())
-        hd = self.head_dim  # a linear layout: a state (d_k, d_v) per head whatever T, + z ('linear') or the conv's inputs
-        if layout == 'linear':
-            return self.n_head * hd * (hd + 1)
-        if layout in LINEAR_RULES:
-            return self.n_head * hd * hd + 3 * self.n_embd * (self.conv_size - 1)
-        return (self.kv_lora_rank + self.rope_head_dim) * T if layout == 'mla' else 2 * self.n_kv_head * hd * T
+        return LAYOUTS[layout].cache_elements(self, layout, T)
 
     def cache_bytes(self, T, dtype=torch.float32):  # linear layouts keep their state in float32 at least
         state = torch.promote_types(dtype, torch.float32).itemsize
@@ -161,7 +162,7 @@ def attend(q, k, v, scale=None, dropout_p=0.0, mask=None):
     """softmax(q kᵀ * scale + mask) v. q (B, nh, L, d), k (B, n_kv, S, d), v (B, n_kv, S, dv); n_kv divides nh
     (groups share a K/V head). mask (L, S), True = seen; None = causal with the L queries the LAST L of the S keys."""
     (B, H, L, D), (H_kv, S) = q.shape, k.shape[1:3]
-    if mask is None and L == S:  # training, or a prefill into an empty cache: is_causal's top-left mask is right only here
+    if mask is None and L == S:  # training, or a prefill into an empty cache: is_causal's top-left mask is right here
         return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True, scale=scale,
                                               enable_gqa=H != H_kv)
     if mask is None and L > 1:
@@ -219,7 +220,7 @@ class Cache:
 # --- The attention layouts: same forward(x, rope, pos, cache) and init_cache(batch, capacity, dtype, device) ---
 
 class Attention(nn.Module):
-    """What the layouts share: heads() splits heads, out() merges them via c_proj (built last: the init's draw order)."""
+    """What the layouts share: heads() splits heads, out() merges them via c_proj (built last: the init's order)."""
 
     def __init__(self, config):
         super().__init__()
@@ -234,8 +235,27 @@ class Attention(nn.Module):
 
 class CausalSelfAttention(Attention):
     """MHA / GQA / MQA: groups of n_head / n_kv_head query heads share a K/V head; only those are cached."""
+    KV_HEADS = {'mha': lambda h: [h], 'gqa': lambda h: [d for d in range(2, h) if h % d == 0], 'mqa': lambda h: [1]}
 
-    def __init__(self, config):
+    @classmethod
+    def configure(cls, c, layout):  # the K/V heads the layout allows, the first its default; RoPE rotates pairs
+        allowed = cls.KV_HEADS[layout](c.n_head)
+        c.n_kv_head = c.n_kv_head or (allowed[0] if allowed else 0)
+        if c.n_kv_head not in allowed:
+            c.bad('n_kv_head' if allowed else 'n_head', f"attn={c.attn!r} with n_head={c.n_head} allows {allowed}"
+                  + " (gqa: the divisors 1 < d < n_head)" * (layout == 'gqa'))
+        if c.pos_emb == 'rope' and c.head_dim % 2:
+            c.bad('n_embd', f"n_embd / n_head = {c.head_dim} must be even for RoPE (or use pos_emb='learned')")
+
+    @staticmethod
+    def uses(layout):
+        return ('n_kv_head',)
+
+    @staticmethod
+    def cache_elements(c, layout, T):  # K and V of the n_kv_head heads
+        return 2 * c.n_kv_head * c.head_dim * T
+
+    def __init__(self, config, layout=None):
         super().__init__(config)
         self.n_kv_head = config.n_kv_head
         self.c_attn = nn.Linear(config.n_embd, (self.n_head + 2 * self.n_kv_head) * self.head_dim, bias=config.bias)
@@ -253,105 +273,33 @@ class CausalSelfAttention(Attention):
         shape = (batch_size, self.n_kv_head, capacity, self.head_dim)
         return LayerCache([shape, shape], dtype, device)
 
-class ShortConv(torch.autograd.Function):
-    """The causal depthwise conv c_t = Σ_s w_{K-1-s} x_{t-s} (s = 0 .. K-1), w (K, C), over x (B, T, C), zeros before
-    x_0. Its backward written out: autograd's, through K shifted slices, zero-fills and adds x K times."""
-
-    @staticmethod
-    def forward(ctx, x, w):
-        ctx.save_for_backward(x, w)
-        c = x * w[-1]                                                        # (B, T, C): s = 0, the token itself
-        for s in range(1, len(w)):                                           # s tokens back (none if s >= T)
-            c[:, s:].addcmul_(x[:, :-s], w[-1 - s])
-        return c
-
-    @staticmethod
-    def backward(ctx, dc):
-        x, w = ctx.saved_tensors
-        dx = dc * w[-1]
-        for s in range(1, len(w)):
-            dx[:, :-s].addcmul_(dc[:, s:], w[-1 - s])
-        return dx, torch.stack([(dc[:, s:] * x[:, :x.size(1) - s]).sum((0, 1)) for s in reversed(range(len(w)))])
-
-class UnitLowerSolve(torch.autograd.Function):
-    """u = (I + A)⁻¹ e for the strictly lower part of A (..., C, C), through the inverse, kept for the backward:
-    there de = (I + A)⁻ᵀ du is a product, where autograd's would solve again (a small LAPACK call per matrix)."""
-
-    @staticmethod
-    def forward(ctx, A, e):
-        eye = torch.eye(A.size(-1), dtype=A.dtype, device=A.device).expand_as(A)
-        T = torch.linalg.solve_triangular(A, eye, upper=False, unitriangular=True)     # (I + A)⁻¹
-        u = T @ e
-        ctx.save_for_backward(T, u)
-        return u
-
-    @staticmethod
-    def backward(ctx, du):
-        T, u = ctx.saved_tensors
-        de = T.mT @ du
-        return (de @ u.mT).neg_().tril_(-1), de  # only j < i of A is read
-
-def l2norm(x):  # x / sqrt(|x|² + 1e-6) as in fla and Qwen3-Next (F.normalize's backward: ~5% of a step slower)
-    return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + 1e-6)
-
-def phi(x):
-    """elu(x) + 1 > 0, computed in float32 at least: in bf16 elu(x) + 1 rounds to 0 near x = -8."""
-    x = x.to(torch.promote_types(x.dtype, torch.float32))
-    return torch.where(x >= 0, x + 1, torch.exp(x.clamp(max=0)))
-
-# The update, written once: S (B, nh, d_k, d_v) = Σ k vᵀ (transposed: o = q S on rows), g = log α and β (B, nh, L).
-
-def linear_step(q, k, v, g, beta, S, delta):
-    """One token (decode), q, k (B, nh, 1, d_k), v (B, nh, 1, d_v): S <- α S (I - β k kᵀ) + β v kᵀ, o = q S."""
-    if g is not None:                          # forget: α_t S_{t-1} (g None: α = 1)
-        S = S * g.exp()[..., None]
-    if delta:                                  # correct: write the error of the memory on k_t, at rate β_t
-        v = beta[..., None] * (v - k @ S)
-    S = S + k.transpose(-2, -1) @ v            # write: S_t = α_t S_{t-1} (I - β_t k_t k_tᵀ) + β_t k_t v_tᵀ
-    return q @ S, S
-
-def linear_chunked(q, k, v, g, beta, S, delta, chunk_size, keep_state=True):
-    """Training, prefill: the same update over chunks of C tokens, matrix products inside a chunk and the state
-    between chunks. Inside a chunk, with G_i = Σ_{j<=i} g_j (log of the decay since the chunk began) and u_i what
-    token i writes (v_i, or for the delta rule the corrected β_i (v_i - S_{i-1} k_i)):
-        o_i = e^{G_i} q_i S_0 + Σ_{j<=i} e^{G_i - G_j} (q_i · k_j) u_j,   S_C = e^{G_C} S_0 + Σ_j e^{G_C - G_j} k_j u_jᵀ.
-    The delta rule's u solve one unit-lower-triangular system per chunk (the WY / UT form, Yang et al. 2024):
-        (I + A) U = diag(β) (V - diag(e^G) K S_0),   A_ij = β_i e^{G_i - G_j} (k_i · k_j) for j < i.
-    S None is a zero state (training: its products skipped); keep_state=False skips the last chunk's write to S."""
-    # α = 1: log α = 0; a gate clamped at e^-10⁴, 0 as e^-inf is (a -inf, as at exp(A_log) = inf, makes G_i - G_i nan)
-    gated = g is not None
-    g = torch.zeros_like(beta) if g is None else g.clamp(min=-1e4)
-    # chunks of C tokens, the last shorter (one chunk unsplit: split's backward would copy it whole)
-    each = [x.split(chunk_size, dim=2) if x.size(2) > chunk_size else [x] for x in (q, k, v, g, beta)]
-    out = []
-    for n, (q, k, u, g, beta) in enumerate(zip(*each)):                             # (B, nh, C, .) each
-        C = q.size(2)
-        G = g.cumsum(-1)[..., None]                                                   # (B, nh, C, 1)
-        causal = torch.ones(C, C, dtype=q.dtype, device=q.device).tril()
-        # e^{G_i - G_j}, 0 above the diagonal: tril before the exp (G_i - G_j > 0 may overflow; -inf: a slow CPU exp)
-        decay = (G - G.mT).tril().exp() * causal if gated else causal
-        eG = G.exp()
-        if delta:  # the errors of the memory on each key, corrected for the writes before it in the chunk
-            err = beta[..., None] * (u if S is None else u - eG * (k @ S))
-            u = UnitLowerSolve.apply((beta[..., None] * k) @ k.mT * decay, err)  # (I + A)⁻¹ err; reads j < i
-        y = (q @ k.mT * decay) @ u                                                    # (B, nh, C, d_v)
-        out.append(y if S is None else y + eG * (q @ S))
-        if n < len(each[0]) - 1 or keep_state:  # the state carried to the next chunk; None is zero, its products skipped
-            write = ((G[:, :, -1:] - G).exp() * k).mT @ u
-            S = write if S is None else eG[:, :, -1:] * S + write
-    return torch.cat(out, 2) if len(out) > 1 else out[0], S
-
 class LinearAttention(Attention):
     """The linear layouts: no softmax, no RoPE; the cache is a float32 state per head, S (d_k, d_v). 'linear'
     (Katharopoulos): phi = elu + 1 and a normalizer z = Σ phi(k), S's last column (v gets a channel of ones). The
     others, as Gated DeltaNet: q, k, v = SiLU(a causal depthwise conv over the last conv_size tokens), whose inputs
     are cached too; q, k L2-normed, q / sqrt(d_k); the output RMS-normed per head, SiLU-gated."""
 
+    @staticmethod
+    def configure(c, layout):
+        if layout != 'linear' and c.conv_size > max(c.block_size, LAYER_FIELDS['conv_size']):
+            c.bad('conv_size', f"must be <= block_size={c.block_size} (taps further back never see a token)")
+
+    @staticmethod
+    def uses(layout):  # 'linear' has no short conv
+        return ('chunk_size',) if layout == 'linear' else ('chunk_size', 'conv_size')
+
+    @staticmethod
+    def cache_elements(c, layout, T):  # a state (d_k, d_v) per head whatever T, + z ('linear') or the conv's inputs
+        if layout == 'linear':
+            return c.n_head * c.head_dim * (c.head_dim + 1)
+        return c.n_head * c.head_dim * c.head_dim + 3 * c.n_embd * (c.conv_size - 1)
+
     def __init__(self, config, layout):
         super().__init__(config)
         (self.forget, self.delta), self.normalizer = LINEAR_RULES[layout], layout == 'linear'
         C, H = config.n_embd, self.n_head
-        parts = {'qkv': 3 * C, 'gate': C * (not self.normalizer), 'a': H * (self.forget == 'gate'), 'beta': H * self.delta}
+        parts = {'qkv': 3 * C, 'gate': C * (not self.normalizer), 'a': H * (self.forget == 'gate'),
+                 'beta': H * self.delta}
         self.parts = {name: n for name, n in parts.items() if n}  # one projection: q, k, v, output gate, W_a x, W_β x
         self.c_attn = nn.Linear(C, sum(self.parts.values()), bias=config.bias)
         if self.forget == 'gate':  # Mamba-2's init: A ~ U[1, 16], softplus(dt_bias) = dt ~ logU[1e-3, 0.1]
@@ -398,7 +346,8 @@ class LinearAttention(Attention):
             g = torch.log1p(-2.0 ** (-5.0 - heads))[:, None].expand(B, -1, L)
         if self.forget == 'gate':
             g = -self.A_log.to(dtype).exp()[:, None] * F.softplus(parts['a'].to(dtype) + self.dt_bias).transpose(1, 2)
-        beta = torch.sigmoid(parts['beta'].to(dtype)).transpose(1, 2) if self.delta else heads.new_ones(B, self.n_head, L)
+        beta = (torch.sigmoid(parts['beta'].to(dtype)).transpose(1, 2) if self.delta else
+                heads.new_ones(B, self.n_head, L))
         return g if g is None else g.contiguous(), beta.contiguous()  # (else a product with them comes out strided)
 
     def init_cache(self, batch_size, capacity, dtype, device):
@@ -411,7 +360,22 @@ class MultiHeadLatentAttention(Attention):
     position comes from a decoupled rope key k_R = RoPE(W_KR h), also shared by all heads, because
     RoPE cannot be absorbed into W_UK. The cache holds [c | k_R]: d_c + d_R elements per token."""
 
-    def __init__(self, config):
+    @staticmethod
+    def configure(c, layout):  # 0 = DeepSeek-V2's ratios to head_dim
+        c.kv_lora_rank = c.kv_lora_rank or 4 * c.head_dim
+        c.rope_head_dim = c.rope_head_dim or max(2, c.head_dim // 4 * 2)
+        if c.rope_head_dim % 2:
+            c.bad('rope_head_dim', "must be even for attn='mla' (RoPE rotates pairs)")
+
+    @staticmethod
+    def uses(layout):
+        return ('kv_lora_rank', 'rope_head_dim', 'q_lora_rank')
+
+    @staticmethod
+    def cache_elements(c, layout, T):  # the latent and the rope key, [c | k_R], shared by every head
+        return (c.kv_lora_rank + c.rope_head_dim) * T
+
+    def __init__(self, config, layout=None):
         super().__init__(config)
         H, self.dh, self.dR, self.dc = config.n_head, config.head_dim, config.rope_head_dim, config.kv_lora_rank
         q_out = H * (self.dh + self.dR)  # per head: [nope | rope] query
@@ -451,10 +415,11 @@ class MultiHeadLatentAttention(Attention):
     def init_cache(self, batch_size, capacity, dtype, device):
         return LayerCache([(batch_size, 1, capacity, self.dc + self.dR)], dtype, device)
 
-def make_attention(config, layout):
-    if layout in LINEAR_RULES:
-        return LinearAttention(config, layout)
-    return MultiHeadLatentAttention(config) if layout == 'mla' else CausalSelfAttention(config)
+# Every layout, and its class: configure(config, layout) checks a config and fills in the layout's defaults, uses()
+# names its fields, cache_elements() counts its cache. Adding a layout adds its class and its line here.
+LAYOUTS = {'mha': CausalSelfAttention, 'gqa': CausalSelfAttention, 'mqa': CausalSelfAttention,
+           'mla': MultiHeadLatentAttention, **dict.fromkeys(LINEAR_RULES, LinearAttention)}
+ATTN_LAYOUTS = tuple(LAYOUTS)
 
 # --- The Transformer: nanoGPT's MLP, Block and GPT ----------------------------------------------------------
 
@@ -463,10 +428,10 @@ def mlp_hidden(config):
     if not config.match_mha_params:
         return 4 * config.n_embd
     with torch.device('meta'):  # counted, nothing allocated; MHA's weights, without RoPE's rule of an even head_dim
-        count = lambda cfg, a: sum(p.numel() for p in make_attention(cfg, a).parameters())
-        mha = replace(config, attn='mha', n_kv_head=0, q_lora_rank=0, kv_lora_rank=0, rope_head_dim=0, pos_emb='learned',
-                      conv_size=GPTConfig.conv_size, match_mha_params=False)
-        extra = sum(n * (count(mha, 'mha') - count(config, a)) for a, n in config.layer_counts().items()) / config.n_layer
+        count = lambda cfg, a: sum(p.numel() for p in LAYOUTS[a](cfg, a).parameters())
+        mha = replace(config, attn='mha', **LAYER_FIELDS, pos_emb='learned', match_mha_params=False)
+        extra = sum(n * (count(mha, 'mha') - count(config, a)) for a, n in config.layer_counts().items())
+        extra /= config.n_layer
     return 4 * config.n_embd + round(extra / (2 * config.n_embd + config.bias))  # c_fc row + c_proj column
 
 class MLP(nn.Module):
@@ -487,7 +452,7 @@ class Block(nn.Module):
     def __init__(self, config, layout):
         super().__init__()
         self.ln_1 = nn.LayerNorm(config.n_embd, bias=config.bias)
-        self.attn = make_attention(config, layout)
+        self.attn = LAYOUTS[layout](config, layout)
         self.ln_2 = nn.LayerNorm(config.n_embd, bias=config.bias)
         self.mlp = MLP(config)
 
@@ -576,13 +541,13 @@ class GPT(nn.Module):
         when it is full it slides forward, keeping its last half, positions restarting at 0: with and without
         the cache the tokens are the same. Pass a cache to inspect it after."""
         if idx.dim() != 2 or idx.size(1) == 0:
-            raise ValueError(f"empty prompt, or not (B, T): {tuple(idx.shape)}; generation needs a token to condition on")
+            raise ValueError(f"empty prompt, or not (B, T): {tuple(idx.shape)}; generation needs a token to start from")
         ok = (max_new_tokens >= 0 and (temperature == 0 or 1e-6 <= temperature <= 1e6)  # (logits / it stays finite)
               and (top_k is None or isinstance(top_k, int) and top_k >= 1) and (top_p is None or 0 < top_p <= 1))
         if not ok:
             raise ValueError(f"need max_new_tokens >= 0, temperature 0 or in [1e-6, 1e6], an integer top_k >= 1, "
                              f"0 < top_p <= 1, not {max_new_tokens}, {temperature}, {top_k}, {top_p}")
-        block_size = self.config.block_size  # below: the prompt as the tokens sampled are (an inference tensor, contiguous),
+        block_size = self.config.block_size  # the prompt as the sampled tokens are (an inference tensor, contiguous),
         idx = idx.clone(memory_format=torch.contiguous_format)  # else torch.compile makes a graph for its prefill alone
         start = max(0, idx.size(1) - block_size)  # idx[:, start:] is the window
         new = idx[:, start:]  # the tokens the cache has not seen: the window, then 1 token a step

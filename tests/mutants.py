@@ -1,11 +1,11 @@
-"""Deliberate one-line bugs in model.py, each run against the tests: how many does the suite catch?
+"""Deliberate one-line bugs in model.py and linear.py, each run against the tests: how many does the suite catch?
 
     python tests/mutants.py          # every mutant against the model-level tests (no train.py runs; minutes)
     python tests/mutants.py --all    # ... and each survivor against the whole suite
     python tests/mutants.py delta mla  # only the mutants whose name contains 'delta' or 'mla'
 
-Each mutant replaces one exact fragment of model.py in a copy of the repo (never the working tree). A
-fragment that no longer matches model.py stops the run: a stale list must not pass for a caught bug.
+Each mutant replaces one exact fragment of model.py or linear.py in a copy of the repo (never the working tree).
+A fragment that does not occur exactly once in them stops the run: a stale list must not pass for a caught bug.
 """
 import os
 import shutil
@@ -14,6 +14,7 @@ import sys
 import tempfile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+FILES = ('model.py', 'linear.py')
 MODEL_TESTS = ['test_attention.py', 'test_cache.py', 'test_config.py', 'test_generate.py', 'test_gpt.py',
                'test_linear.py', 'test_memory.py', 'test_mla.py', 'test_property.py', 'test_reference.py']
 
@@ -37,7 +38,7 @@ MUTANTS = [  # (what the bug is, the fragment, its replacement)
     ("static cache: the mask shows the next, unfilled position", "<= positions[:, None]", "<= positions[:, None] + 1"),
     ("static cache: every write at position 0", "buf.index_copy_(2, positions, x)", "buf.index_copy_(2, positions - pos, x)"),
     ("cache: position advances by 1 per forward", "cache.pos += L  # once", "cache.pos += 1  # once"),
-    ("cache accounting: h_q for h_kv", "2 * self.n_kv_head * hd * T", "2 * self.n_head * hd * T"),
+    ("cache accounting: h_q for h_kv", "2 * c.n_kv_head * c.head_dim * T", "2 * c.n_head * c.head_dim * T"),
     ("MLA: scale 1/sqrt(d_h)", "self.scale = 1.0 / math.sqrt(self.dh + self.dR)", "self.scale = 1.0 / math.sqrt(self.dh)"),
     ("MLA: rope key not rotated", "apply_rope(k_rope, rope)], dim=-1)", "k_rope], dim=-1)"),
     ("MLA: rope query not rotated", "apply_rope(q[..., dh:], rope)], dim=-1)", "q[..., dh:]], dim=-1)"),
@@ -52,8 +53,8 @@ MUTANTS = [  # (what the bug is, the fragment, its replacement)
     ("linear: denominator + 1", "(y[..., -1:] + 1e-6)", "(y[..., -1:] + 1.0)"),
     ("linear: state bytes at 16 bits counted at 16 bits", "state = torch.promote_types(dtype, torch.float32).itemsize",
      "state = dtype.itemsize"),
-    ("linear: normalizer z not counted", "return self.n_head * hd * (hd + 1)", "return self.n_head * hd * hd"),
-    ("conv inputs not counted", "hd * hd + 3 * self.n_embd * (self.conv_size - 1)", "hd * hd"),
+    ("linear: normalizer z not counted", "c.n_head * c.head_dim * (c.head_dim + 1)", "c.n_head * c.head_dim * c.head_dim"),
+    ("conv inputs not counted", "c.head_dim + 3 * c.n_embd * (c.conv_size - 1)", "c.head_dim"),
     ("conv not causal: its cached inputs skipped", "seen = torch.cat([seen[0], qkv], 1)",
      "seen = torch.cat([qkv, seen[0]], 1)"),
     ("conv: reads the future (taps shifted forward)", "c[:, s:].addcmul_(x[:, :-s], w[-1 - s])",
@@ -81,7 +82,7 @@ MUTANTS = [  # (what the bug is, the fragment, its replacement)
     ("retnet: gamma_h = 1 - 2^(-5+h)", "2.0 ** (-5.0 - heads)", "2.0 ** (-5.0 + heads)"),
     ("mamba2: A ~ U[0, 16]", "torch.empty(H).uniform_(1, 16).log()", "torch.empty(H).uniform_(0, 16).log()"),
     ("mamba2: dt_bias = dt (no inverse softplus)", "dt + torch.log(-torch.expm1(-dt))", "dt"),
-    ("hybrid: pattern shifted by one layer", "[p[i % len(p)] for p in", "[p[(i + 1) % len(p)] for p in"),
+    ("hybrid: pattern shifted by one layer", "[pattern[i % len(pattern)]", "[pattern[(i + 1) % len(pattern)]"),
     ("MLA: query bottleneck of width d_c", "r = config.q_lora_rank  #", "r = config.q_lora_rank and config.kv_lora_rank  #"),
     ("dropout on in eval (MLA)", "dropout_p = self.dropout if self.training else 0.0", "dropout_p = self.dropout"),
     ("learned positions keep N(0, 1)", "if isinstance(module, (nn.Linear, nn.Embedding)):", "if isinstance(module, nn.Linear):"),
@@ -100,8 +101,10 @@ def run(tests, tree):
 
 
 def main():
-    with open(os.path.join(ROOT, 'model.py')) as f:
-        source = f.read()
+    sources = {}
+    for name in FILES:
+        with open(os.path.join(ROOT, name)) as f:
+            sources[name] = f.read()
     files = subprocess.run(['git', 'ls-files'], cwd=ROOT, capture_output=True, text=True, check=True).stdout.split()
     caught = 0
     with tempfile.TemporaryDirectory() as tree:
@@ -110,15 +113,16 @@ def main():
             shutil.copy(os.path.join(ROOT, path), os.path.join(tree, path))
         failed, summary = run([os.path.join('tests', t) for t in MODEL_TESTS], tree)
         if failed:
-            sys.exit(f"error: the tests fail on the unmutated model.py: {summary}")
+            sys.exit(f"error: the tests fail on the unmutated model: {summary}")
         for name, old, new in MUTANTS:
             names = [a for a in sys.argv[1:] if not a.startswith('-')]
             if names and not any(a in name for a in names):
                 continue
-            if source.count(old) != 1:
-                sys.exit(f"error: mutant {name!r}: its fragment occurs {source.count(old)} times in model.py")
-            with open(os.path.join(tree, 'model.py'), 'w') as f:
-                f.write(source.replace(old, new))
+            if sum(s.count(old) for s in sources.values()) != 1:
+                sys.exit(f"error: mutant {name!r}: its fragment does not occur exactly once in {' and '.join(FILES)}")
+            for path, source in sources.items():  # the mutated file, and the others restored
+                with open(os.path.join(tree, path), 'w') as f:
+                    f.write(source.replace(old, new))
             failed, summary = run([os.path.join('tests', t) for t in MODEL_TESTS], tree)
             if not failed and '--all' in sys.argv:
                 failed, summary = run(['tests'], tree)

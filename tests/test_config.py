@@ -7,34 +7,34 @@ BAD = [
     (dict(attn='flash'), r"attn.*one of \('mha', 'gqa', 'mqa', 'mla', 'linear', 'retnet', 'mamba2', 'deltanet', "
                          r"'gated_deltanet'\), or a hybrid"),
     (dict(attn='delta'), r"attn='delta' is invalid"),                       # an unknown rule
-    (dict(bias='yes'), r"GPTConfig.bias='yes' is invalid: must be True or False"),  # a crafted checkpoint's model_args
-    (dict(match_mha_params=1), r"match_mha_params=1 is invalid: must be True or False"),
+    (dict(bias='yes'), r"GPTConfig.bias='yes' is invalid: must be of type bool"),  # a crafted checkpoint's model_args
+    (dict(match_mha_params=1), r"match_mha_params=1 is invalid: must be of type bool"),
     (dict(attn='gated_deltanet*3+gqa', n_layer=3), r"attn.*has 4 layers, more than n_layer=3"),  # does not fit
     (dict(attn='deltanet*0+gqa'), r"attn.*hybrid.*; not 'deltanet\*0'$"), (dict(attn='deltanet*x+gqa'), r"attn.*hybrid"),
     (dict(attn='mamba2*2+foo+gqa'), r"hybrid.*; not 'foo'$"),  # the wrong part named
     (dict(attn='deltanet+'), r"attn.*hybrid"), (dict(attn=3), r"attn=3 is invalid"),
-    (dict(attn='mha*99999999999'), r"attn.*hybrid"), (dict(attn='mha*\u00b2'), r"attn.*hybrid"),  # refused unbuilt
+    (dict(attn='mha*99999999999'), r"has 99999999999 layers"), (dict(attn='mha*\u00b2'), r"attn.*hybrid"),  # unbuilt
     (dict(attn='mha*\uff13'), r"attn.*hybrid"),  # a full-width 3: ASCII digits only
-    (dict(attn='linear*0000009999999999'), r"attn.*hybrid"),  # leading zeros do not hide a count past a million
+    (dict(attn='linear*0000009999999999'), r"has 9999999999 layers"),  # leading zeros do not hide a count
     (dict(attn='gated_deltanet', conv_size=300), r"conv_size=300 is invalid: must be <= block_size=256"),  # never reads
-    (dict(attn='mha', conv_size=8), r"conv_size=8 is invalid: only the linear layouts but 'linear' have the short conv"),
-    (dict(attn='linear*2+gqa', conv_size=2), r"conv_size=2 is invalid: only .*; attn='linear\*2\+gqa' has none"),
+    (dict(attn='mha', conv_size=8), r"conv_size=8 is invalid: no layer of attn='mha' uses it"),
+    (dict(attn='linear*2+gqa', conv_size=2), r"conv_size=2 is invalid: no layer of attn='linear\*2\+gqa' uses it"),
     (dict(attn='gated_deltanet', n_layer=2, n_head=4, n_embd=64, block_size=4000, conv_size=3000, match_mha_params=True),
-     r"match_mha_params.*MLP would need -\d+ units: .*\(lower conv_size, or turn it off\)"),  # what makes it heavy
+     r"match_mha_params.*MLP would need -\d+ units: .*\(lower its sizes, or turn it off\)"),
     (dict(attn='deltanet+gqa+mla'), r"mixes softmax layouts"),
     (dict(attn='mamba2+gqa', n_kv_head=4), r"n_kv_head.*n_head=6 allows \[2, 3\]"),  # the hybrid's GQA rule
-    (dict(attn='deltanet', n_kv_head=2), r"n_kv_head.*allows \[6\] \(or 0, its default\)$"),  # a field it does not use
-    (dict(attn='retnet', q_lora_rank=8), r"q_lora_rank=8 is invalid: only attn='mla' uses it"),
-    (dict(attn='gqa', kv_lora_rank=64), r"kv_lora_rank=64 is invalid: only attn='mla' uses it; attn='gqa' has no MLA"),
-    (dict(attn='deltanet*3+gqa', rope_head_dim=8), r"rope_head_dim=8 is invalid: only attn='mla' uses it"),
-    (dict(pos_emb='alibi'), r"pos_emb.*one of \('rope', 'learned'\)"),
+    (dict(attn='deltanet', n_kv_head=2), r"n_kv_head=2 is invalid: no layer of attn='deltanet' uses it$"),  # unused
+    (dict(attn='retnet', q_lora_rank=8), r"q_lora_rank=8 is invalid: no layer of attn='retnet' uses it"),
+    (dict(attn='gqa', kv_lora_rank=64), r"kv_lora_rank=64 is invalid: no layer of attn='gqa' uses it"),
+    (dict(attn='deltanet*3+gqa', rope_head_dim=8), r"rope_head_dim=8 is invalid: no layer of .* uses it"),
+    (dict(pos_emb='alibi'), r"pos_emb.*must be 'rope' or 'learned'"),
     (dict(n_embd=100, n_head=6), r"n_embd.*divisible by n_head"),
     (dict(attn='gqa', n_kv_head=4), r"n_kv_head.*n_head=6 allows \[2, 3\].*divisor"),
     (dict(attn='gqa', n_kv_head=6), r"n_kv_head.*\[2, 3\]"),
     (dict(attn='gqa', n_head=5, n_embd=40), r"n_head=5 is invalid.*allows \[\]"),  # no grouping: n_head is wrong
     (dict(attn='mha', n_kv_head=3), r"n_kv_head=3.*allows \[6\]"),
     (dict(attn='mqa', n_kv_head=2), r"n_kv_head.*allows \[1\]"),
-    (dict(attn='mla', n_kv_head=2), r"n_kv_head.*allows \[6\] \(or 0, its default\)$"),
+    (dict(attn='mla', n_kv_head=2), r"n_kv_head=2 is invalid: no layer of attn='mla' uses it$"),
     (dict(n_kv_head=-1), r"n_kv_head.*>= 0"),
     (dict(attn='mla', rope_head_dim=7), r"rope_head_dim.*even"),
     (dict(attn='mla', rope_head_dim=-2), r"rope_head_dim.*>= 0"),
@@ -44,13 +44,13 @@ BAD = [
      r"match_mha_params.*MLP would need -\d+ units"),
     (dict(q_lora_rank=-3), r"q_lora_rank.*>= 0"),
     (dict(block_size=0), r"block_size.*>= 1"),
-    (dict(n_layer=2.5), r"n_layer.*integer"),
+    (dict(n_layer=2.5), r"n_layer=2.5 is invalid: must be of type int"),
     (dict(chunk_size=0), r"chunk_size.*>= 1"),
     (dict(dropout=1.0), r"dropout.*\[0, 1\)"),
     (dict(rope_base=0.0), r"rope_base.*> 0"),
-    (dict(dropout='0.1'), r"dropout='0.1' is invalid: must be a number"), (dict(dropout=None), r"dropout=None"),
+    (dict(dropout='0.1'), r"dropout='0.1' is invalid: must be of type float"), (dict(dropout=None), r"dropout=None"),
     (dict(rope_base='1e4'), r"rope_base='1e4' is invalid"), (dict(rope_base=float('inf')), r"rope_base=inf.*finite"),
-    (dict(n_layer=True), r"n_layer=True is invalid: must be an integer"),  # True is an int to Python, not a count
+    (dict(n_layer=True), r"n_layer=True is invalid: must be of type int"),  # True is an int to Python, not a count
 ]
 
 
@@ -82,14 +82,17 @@ def test_mla_sizes_default_to_the_papers_ratios():
     assert GPTConfig(attn='deltanet+mla', n_layer=2, n_head=4, n_embd=64).kv_lora_rank == 64  # a hybrid's MLA too
 
 
-def test_a_stack_without_mla_keeps_no_mla_sizes():
-    """GQA's config shows kv_lora_rank = rope_head_dim = 0, not MLA's sizes filled in; the sizes the old code filled
-    in (what a checkpoint converted before 12/2026 holds) still load, as 0."""
+def test_a_stack_keeps_the_defaults_of_fields_it_does_not_use():
+    """GQA's config shows kv_lora_rank = rope_head_dim = 0, not MLA's sizes filled in, MLA and the linear layouts
+    n_kv_head = 0; what older code filled in (MLA's sizes in a checkpoint converted before 12/2026, n_kv_head =
+    n_head in every MLA or linear checkpoint before the layouts' own rules) still loads, as the default."""
     for attn in ('mha', 'gqa', 'retnet', 'gated_deltanet*3+gqa'):
         cfg = GPTConfig(attn=attn)
         assert (cfg.kv_lora_rank, cfg.rope_head_dim, cfg.q_lora_rank) == (0, 0, 0)
     old = GPTConfig(attn='gqa', kv_lora_rank=4 * 64, rope_head_dim=32)  # head_dim 64: what the old code filled in
     assert (old.kv_lora_rank, old.rope_head_dim) == (0, 0)
+    for attn in ('mla', 'deltanet', 'linear*2+retnet'):
+        assert GPTConfig(attn=attn).n_kv_head == GPTConfig(attn=attn, n_kv_head=6).n_kv_head == 0
 
 
 def test_hybrid_pattern_repeats_over_the_layers():

@@ -8,7 +8,8 @@ import torch
 import torch.nn.functional as F
 
 from conftest import make_model
-from model import GPT, GPTConfig, LINEAR_RULES, ShortConv, UnitLowerSolve, linear_chunked, linear_step, phi
+from linear import ShortConv, UnitLowerSolve, linear_chunked, linear_step, phi
+from model import GPT, GPTConfig, LINEAR_RULES
 
 B, H, T, D = 2, 3, 50, 8
 

@@ -25,6 +25,8 @@ import subprocess
 import sys
 import tempfile
 import time
+from concurrent.futures import ProcessPoolExecutor, as_completed
+from multiprocessing import get_context
 from unittest.mock import patch
 
 import numpy as np
@@ -33,10 +35,11 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
 from checkpoint import FileError, write_atomic
-from configurator import (Parser, check_device, check_memory, checked, describe, fail, memory_errors_in_one_line, num_params,
-                          parse_value)
+from configurator import Parser, check_device, check_memory, checked, describe, fail, parse_value
+from data.mqar.prepare import VALUES, VOCAB, prepare
+from interrupts import memory_errors_in_one_line
 from linear import linear_chunked
-from model import GPT, GPTConfig, ATTN_LAYOUTS
+from model import ATTN_LAYOUTS, GPT, GPTConfig, num_params
 
 os.environ.setdefault('KINETO_LOG_LEVEL', '6')  # no 'USDT: profiler_start' lines (inductor profiles GPU kernels)
 START = time.time()
@@ -57,9 +60,10 @@ def progress(what):
     """One line on stderr per run or layout of a long benchmark: never silent for minutes."""
     print(f"[{time.time() - START:5.0f} s] {what}", file=sys.stderr, flush=True)
 
-def take_turns(fns, device, rounds):
+def take_turns(fns, device, rounds, said=lambda name, r, seconds: None):
     """{name: [seconds, one a round]}: each fn once a round, the device synchronized around it, in a new order each
-    round (seeded), so that no fn always runs first or after the same neighbour (which may leave the caches cold)."""
+    round (seeded), so that no fn always runs first or after the same neighbour (which may leave the caches cold);
+    said(name, round, seconds) after each."""
     sync = torch.cuda.synchronize if device.startswith('cuda') else (lambda: None)
     names, times = list(fns), {name: [] for name in fns}
     for r in range(rounds):
@@ -69,6 +73,7 @@ def take_turns(fns, device, rounds):
             fns[name]()
             sync()
             times[name].append(time.perf_counter() - t0)
+            said(name, r, times[name][-1])
     return times
 
 def compile_options(device):
@@ -82,7 +87,7 @@ def table(header, rows):  # markdown
 
 def plot(path, lines, legend, **axes):
     """One figure for path, saved with the report (PLOTS): lines are (xs, ys, label, matplotlib style); axes: title, ..."""
-    from matplotlib.figure import Figure  # a file, no display: no pyplot, no backend to choose
+    from matplotlib.figure import Figure  # lazy: only the modes that plot load it; no pyplot, no backend to choose
     fig = Figure(figsize=(7, 4.5), layout='tight')
     ax = fig.subplots()
     for xs, ys, label, style in lines:
@@ -183,8 +188,8 @@ def train_report(args):
             "bytes/token at block_size in the run's dtype.\n\n" +
             table(['layout', 'params', 'cache bytes/token', 'train loss', 'val loss', 'best val (iteration)',
                    'median ms/iter', 'tokens/s'], rows) +
-            (step_time_vs_nanogpt(args.nanogpt, args.layouts) if args.nanogpt else '') +
-            "\n![val loss curves](train_val_loss.png)\n")
+            "\n![val loss curves](train_val_loss.png)\n" + MORE +
+            (step_time_vs_nanogpt(args.nanogpt, args.layouts) if args.nanogpt else ''))
 
 def step_time_vs_nanogpt(nanogpt_path, layouts=(), rounds=30, steps=10):
     """The training step of nanoGPT's model.py at nanogpt_path, of our MHA and of each of layouts (config/NAME.py's
@@ -330,30 +335,42 @@ def roofline_section(runs, bandwidth, rate, batch, t, path):
             table(['layout', 'bytes read: weights + cache', 'GFLOP', 'bytes floor ms', 'FLOP floor ms', 'binds',
                    *[f"{k} {what}" for k in kinds for what in ('ms', '% of floor')]], rows))
 
+def generate_in_turns(ways, idx, new, device, rounds, seed=0, said=lambda way, r, seconds: None, **sampling):
+    """Generation timed, for bench.py decode and sample.py --compare alike. ways: {name: (model, cache)}, cache None
+    (the window re-run every token), 'cache' or 'static' (fixed shapes: a compiled model's). Each way generates new
+    tokens after idx (B, T) from the same seed, once short (round 0: the warm-up, a compilation), then rounds times
+    taking turns; said(way, round, seconds) after each run. Returns {way: (tokens, its cache, [seconds a round])}."""
+    out = {}
+
+    def run(way, n):
+        model, kind = ways[way]
+        torch.manual_seed(seed)
+        cache = model.init_cache(idx.size(0), static=kind == 'static') if kind else None
+        out[way] = torch.cat([idx[:, :0], *model.stream(idx, n, use_cache=cache is not None, cache=cache, **sampling)],
+                             1), cache
+    take_turns({way: lambda way=way: run(way, min(8, new)) for way in ways}, device, 1, said)
+    times = take_turns({way: lambda way=way: run(way, new) for way in ways}, device, rounds,
+                       lambda way, r, seconds: said(way, r + 1, seconds))
+    return {way: (*out[way], times[way]) for way in ways}
+
 @torch.inference_mode()
 def generation(layouts, sizes, device, dtype, compile=False, prompt=16, new=240, batches=(1, 8)):
     """Greedy tokens/s without the cache, with it (and compiled): each way twice, taking turns; the faster counts."""
     kinds, rows = ['no cache', 'cache'] + ['cache, compiled'] * compile, []
     for attn in layouts:
         progress(f"generation: {attn}")
-        models = dict.fromkeys(kinds, GPT(GPTConfig(attn=LAYOUTS[attn], **sizes, block_size=256)).to(device, dtype).eval())
-        if compile:  # one model every way; compiled: a copy, compiled in place (stream() calls self(...))
-            models['cache, compiled'] = copy.deepcopy(models['cache'])
-            models['cache, compiled'].compile(**compile_options(device))
+        model = GPT(GPTConfig(attn=LAYOUTS[attn], **sizes, block_size=256)).to(device, dtype).eval()
+        ways = {'no cache': (model, None), 'cache': (model, 'cache')}
+        if compile:  # a copy, compiled in place (stream() calls self(...)), over a static cache
+            ways['cache, compiled'] = (copy.deepcopy(model), 'static')
+            ways['cache, compiled'][0].compile(**compile_options(device))
         for batch in batches:
-            idx = torch.randint(0, models['cache'].config.vocab_size, (batch, prompt), device=device)
-            out = {}
-
-            def run(kind, n=new):
-                cache = models[kind].init_cache(batch, static=kind == 'cache, compiled') if kind != 'no cache' else None
-                out[kind] = torch.cat(list(models[kind].stream(idx, n, temperature=0, use_cache=cache is not None,
-                                                               cache=cache)), 1)
-            for kind in kinds:
-                run(kind, 4)  # warm-up (and compilation)
-            secs = {k: min(v) for k, v in take_turns({k: lambda k=k: run(k) for k in kinds}, device, 2).items()}
+            idx = torch.randint(0, model.config.vocab_size, (batch, prompt), device=device)
+            out = generate_in_turns(ways, idx, new, device, 2, temperature=0)
+            secs = {k: min(out[k][2]) for k in kinds}
             rows.append(f"| {attn} | {batch} | " + " | ".join(f"{batch * new / secs[k]:,.1f}" for k in kinds) +
                         f" | {secs['no cache'] / secs['cache']:.1f}x | " + " | ".join(
-                            agree(models['no cache'], idx, out['no cache'], out[k]) for k in kinds[1:]) + " |")
+                            agree(model, idx, out['no cache'][0], out[k][0]) for k in kinds[1:]) + " |")
     return table(['layout', 'batch', *[f"tokens/s, {k}" for k in kinds], 'cache speedup',
                   *[f"identical tokens, {k}" for k in kinds[1:]]], rows)
 
@@ -419,7 +436,6 @@ MQAR_LR = {'mha': 3e-3, 'linear': 3e-3}  # the others: 1e-3
 def mqar_run(path, name, lr, max_iters, batch=32):
     """One layout trained on MQAR at one peak lr (every N mixed; warmup, then cosine to lr / 10): {N: recall}. On one
     thread, as a worker of mqar_report's pool: its numbers never depend on the machine's core count."""
-    from data.mqar.prepare import VOCAB
     torch.set_num_threads(1)
     data = dict(np.load(path))
     pairs = sorted(int(k.split('_')[-1]) for k in data if k.startswith('val_x_'))
@@ -445,9 +461,6 @@ def mqar_run(path, name, lr, max_iters, batch=32):
 def mqar_report(args):
     """Per layout, a 2-layer model trained on MQAR at each lr (runs on one thread each, as many at once as there are
     cores), its best lr kept as Zoology does; recall per N; and the untrained capacity."""
-    from concurrent.futures import ProcessPoolExecutor, as_completed
-    from multiprocessing import get_context
-    from data.mqar.prepare import VALUES, prepare
     data_dir = tempfile.TemporaryDirectory(dir=args.out, prefix='.mqar-data-')  # deleted at the end, even on an error
     path = prepare(data_dir.name)  # made again each run (seeded, seconds), in a folder of its own: never a user's data
     data = np.load(path)

@@ -25,66 +25,26 @@ import os
 import re
 import shlex
 import shutil
-import signal
 import stat
 import sys
 import warnings
 import zipfile
-from contextlib import contextmanager
 from dataclasses import replace
+from glob import glob
 
-from configurator import describe, fail, model_flags
+import torch
 
-# torch is imported where it is used: train.py catches interrupts before its slow import
+from configurator import describe, fail
+from model import LAYER_FIELDS, GPTConfig
+
+try:
+    import fcntl  # the lock of out_dir (Windows has none: there nothing guards against a second run)
+except ImportError:
+    fcntl = None
 
 
 class FileError(Exception):
     """A file that cannot be read or written, in one line."""
-
-
-class Interrupts:
-    """Ctrl-C, SIGTERM (kill, schedulers), SIGHUP (the terminal closed) and, through configurator's on_closed_output,
-    an output whose reader went away (`| head`). While nothing is written they stop the process at once, even in a
-    slow build; once the run writes they only set .flag (raising inside a save could break a file), which the loop
-    checks at every iteration and between evaluation batches."""
-
-    def __init__(self):
-        self.flag, self.immediate = False, True
-        self.discard = lambda: "nothing was written"  # Run.discard: removes what the run made, says what is left
-        for name in ('SIGINT', 'SIGTERM', 'SIGHUP'):  # (Windows has no SIGHUP)
-            if hasattr(signal, name):
-                signal.signal(getattr(signal, name), self)
-
-    def __call__(self, signum=None, frame=None):
-        self.flag = True
-        if self.immediate:
-            self.stop()
-
-    def stop(self):
-        try:  # os.write, not print: a handler may run inside a print
-            os.write(2, f"error: interrupted before training started; {self.discard()}\n".encode())
-        except OSError:
-            pass
-        os._exit(130)
-
-    @contextmanager
-    def deferred(self):
-        """A start-up step that writes files (preparing data, W&B's init): an interrupt waits for its end."""
-        self.immediate = False
-        yield
-        self.immediate = True
-        if self.flag:
-            self.stop()
-
-    def requested(self, device):
-        """The flag; under DDP agreed by every rank (a collective), so that all of them stop at the same iteration."""
-        import torch
-        import torch.distributed as dist
-        if not dist.is_initialized():
-            return self.flag
-        flag = torch.tensor([float(self.flag)], device=device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return bool(flag.item())
 
 
 def temp_name(path):
@@ -132,8 +92,6 @@ RESUME = ('model', 'optimizer', 'model_args', 'iter_num', 'best_val_loss')  # wh
 def read_checkpoint(path, device='cpu', keys=('model', 'model_args')):
     """(checkpoint dict, its GPTConfig) of a checkpoint train.py wrote, holding keys, or FileError naming what is
     wrong."""
-    import torch
-    from model import GPTConfig
     try:  # torch's warnings about a file (a changed pickle protocol byte) kept back: shown only if it loads
         with warnings.catch_warnings(record=True) as said:
             ckpt = torch.load(path, map_location=device, weights_only=True)
@@ -190,7 +148,6 @@ def weights(ckpt):
 def load_optimizer(optimizer, state):
     """A checkpoint's optimizer state into optimizer, checked: torch matches only the groups' sizes, and a moment of
     another shape would fail at the first step, after an evaluation, in a traceback."""
-    import torch
     optimizer.load_state_dict(state)
     if not all(isinstance(s, dict) and all(torch.is_tensor(v) and (v.dim() == 0 or v.shape == p.shape) for v in s.values())
                for p, s in optimizer.state.items()):
@@ -205,12 +162,11 @@ def checkpoints(out_dir):
 def in_use(out_dir):
     """Whether a live train.py run holds out_dir's lock (opened without following a link or blocking on a FIFO)."""
     try:
-        import fcntl
         fd = os.open(os.path.join(out_dir, 'train.lock'), os.O_RDONLY | os.O_NONBLOCK | getattr(os, 'O_NOFOLLOW', 0))
-    except (ImportError, OSError):
+    except OSError:
         return False
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # (released at the close)
+        fcntl and fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # (released at the close)
         return False
     except OSError:
         return True
@@ -226,7 +182,6 @@ def kept(out_dir):
 
 def newest_out_dir():
     """The out*/ folder here with the newest checkpoint (the folders train.py's configs write), or 'out'."""
-    from glob import glob
     found = [p for p in glob('out*/ckpt.pt') + glob('out*/last.pt') if os.path.isfile(p)]  # (not a folder, a broken link)
     mtime = lambda p: os.stat(p).st_mtime if os.path.isfile(p) else 0  # (again: a live run deletes last.pt as it saves)
     return os.path.dirname(max(found, key=mtime, default='out/'))
@@ -263,6 +218,14 @@ def resume_state(out_dir, device, meta, asked, data_dir):
     if differ:
         fail(f"{path} is another model ({', '.join(differ)} in it); add those settings to resume it, or change out_dir")
     return path, ckpt
+
+
+def model_flags(a, b):
+    """The --key=value settings of GPTConfig a that differ from b, of the fields a uses; not those b leaves at 0 where
+    a holds what 0 resolves to (an MHA's n_kv_head = n_head: --attn=mha says it)."""
+    resolved = lambda k: k in LAYER_FIELDS and getattr(b, k) == 0 and getattr(replace(a, **{k: 0}), k) == getattr(a, k)
+    return [f"--{k}={getattr(a, k)}" for k in a.used_fields()
+            if k != 'vocab_size' and getattr(a, k) != getattr(b, k) and not resolved(k)]
 
 
 def changed(ckpt, config, keys=('max_iters', 'lr_decay_iters', 'warmup_iters', 'learning_rate', 'min_lr', 'decay_lr',
@@ -302,10 +265,7 @@ class Run:
         except OSError as e:
             fail(f"out_dir={out_dir!r} is not writable ({e.strerror}); pass --out_dir=DIR")
         try:
-            import fcntl
-            fcntl.flock(self.lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except ImportError:
-            pass  # no fcntl (Windows): no guard against a second run
+            fcntl and fcntl.flock(self.lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError:
             fail(f"out_dir={out_dir!r} is in use by another train.py run; wait for it to end or pass another --out_dir")
         self.previous = checkpoints(out_dir)  # an earlier run's (--overwrite or a resume: checked by train.py)
@@ -377,7 +337,6 @@ class Run:
 
     def save(self, path, state, iter_num):
         """A checkpoint, flushed to disk and renamed into place; weights that are not finite are never saved."""
-        import torch
         if not all(torch.isfinite(p).all() for p in state['model'].values() if p.is_floating_point()):
             fail(f"the weights at iteration {iter_num} are not finite: not saved, {kept(self.out_dir)} (try a lower "
                  f"learning_rate)")

@@ -15,6 +15,7 @@ import torch.nn as nn
 from torch.nn import functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from cache import Cache, LayerCache
 from linear import ShortConv, l2norm, linear_chunked, linear_step, phi
 
 # The linear layouts, the founding chapter's table: each keeps a fixed state S per head and rewrites it every token,
@@ -121,11 +122,6 @@ class GPTConfig:
         used |= {'rope_base'} if self.pos_emb == 'rope' and self.softmax else set()
         return [f.name for f in fields(self) if f.name not in {*LAYER_FIELDS, 'chunk_size', 'rope_base'} - used]
 
-    def flags(self, other):
-        """The --key=value settings of the fields this config uses that differ from other's."""
-        return [f"--{k}={getattr(self, k)}" for k in self.used_fields()
-                if k != 'vocab_size' and getattr(self, k) != getattr(other, k)]
-
     def cache_elements(self, T, layout=None):
         """Elements a cache holds after T tokens (batch 1): the table of the README; all layers, or one layout's."""
         if layout is None:
@@ -137,7 +133,7 @@ class GPTConfig:
         return sum(n * self.cache_elements(T, a) * (state if a in LINEAR_RULES else dtype.itemsize)
                    for a, n in self.layer_counts().items())
 
-# --- What the layouts share: RoPE, the causal attention call, the caches -----------------------------------
+# --- What the layouts share: RoPE and the causal attention call (the caches: cache.py) -----------------
 
 def rope_table(dim, positions, base):
     """(L, 2, dim): cos and signed sin (-sin, +sin) of pos * base^(-2i/dim) for each pair (x[2i], x[2i+1]).
@@ -172,50 +168,6 @@ def attend(q, k, v, scale=None, dropout_p=0.0, mask=None):
         y = F.scaled_dot_product_attention(q.reshape(B, H // G, G * L, D), k, v, attn_mask=mask, dropout_p=dropout_p,
                                            scale=scale, enable_gqa=G == 1 and H != H_kv)
     return y.reshape(B, H, L, v.size(-1))  # reshape, not view: the output's strides depend on the backend
-
-class LayerCache:
-    """One layer's buffers: K and V (B, n_kv, T, hs), MLA's [latent | rope key] (B, 1, T, d_c + d_R), or a state."""
-
-    def __init__(self, shapes, dtype, device, grows=True):
-        self.bufs = [torch.zeros(s, dtype=dtype, device=device) for s in shapes]
-        self.grows = grows  # along time (dim 2); a state does not
-
-    def update(self, pos, *xs):
-        """Write xs (B, heads, L, dim) at [pos, pos + L); return the buffers to attend to and their (L, S) mask:
-        an int pos gives the filled part (mask None: causal), a tensor pos the whole buffers, unfilled masked."""
-        L = xs[0].size(2)
-        if not torch.is_tensor(pos):
-            for buf, x in zip(self.bufs, xs):
-                buf[:, :, pos:pos + L] = x
-            return *[buf[:, :, :pos + L] for buf in self.bufs], None
-        positions = pos + torch.arange(L, device=pos.device)
-        for buf, x in zip(self.bufs, xs):
-            buf.index_copy_(2, positions, x)
-        return *self.bufs, torch.arange(self.bufs[0].size(2), device=pos.device) <= positions[:, None]
-
-class Cache:
-    """Every layer's cache and the position GPT.forward advances: an int, or (static=True) a device tensor."""
-
-    def __init__(self, layers, static=False):
-        self.layers = layers
-        self.pos = torch.zeros((), dtype=torch.long, device=layers[0].bufs[0].device) if static else 0
-        if static:  # CUDA graph replays write into these in place: their addresses must never change
-            for t in [self.pos] + [b for layer in layers for b in layer.bufs]:
-                torch._dynamo.mark_static_address(t)
-
-    def __len__(self):
-        return int(self.pos)
-
-    @property
-    def nbytes(self):  # of the filled positions (all of a state)
-        n = len(self)
-        return sum((b[:, :, :n] if l.grows else b).numel() * b.element_size() for l in self.layers for b in l.bufs)
-
-    def reset(self):
-        """Empty again, buffers kept; only a linear layout's state is zeroed (K/V past pos: sliced off or masked)."""
-        self.pos = self.pos.zero_() if torch.is_tensor(self.pos) else 0
-        for b in (b for layer in self.layers if not layer.grows for b in layer.bufs):
-            b.zero_()
 
 # --- The attention layouts: same forward(x, rope, pos, cache) and init_cache(batch, capacity, dtype, device) ---
 
@@ -562,6 +514,18 @@ class GPT(nn.Module):
             new = sample(logits[:, -1, :].float(), temperature, top_k, top_p)  # (B, 1)
             idx = torch.cat((idx, new), dim=1)
             yield new
+
+def num_params(config):
+    """GPT(config)'s parameter count before anything is built (n_layer may be 10^9): one block of each layout on the
+    meta device times its layers, plus the embeddings and the final norm; inf where a tensor's size overflows."""
+    try:
+        with torch.device('meta'):
+            blocks = sum(n * sum(p.numel() for p in Block(config, a).parameters())
+                         for a, n in config.layer_counts().items())
+    except (RuntimeError, OverflowError):  # "Storage size calculation overflowed", or past int64
+        return math.inf
+    positions = config.block_size * (config.pos_emb == 'learned')  # wte is tied to lm_head: counted once
+    return blocks + (config.vocab_size + positions + 1 + config.bias) * config.n_embd
 
 def sample(logits, temperature=1.0, top_k=None, top_p=None):
     """One token per row of logits (B, vocab): greedy at temperature 0, else top-k / nucleus sampling."""

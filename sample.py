@@ -16,10 +16,11 @@ import warnings
 import torch
 
 from checkpoint import FileError, checkpoints, newest_out_dir, read_checkpoint, trained_on, weights
-from configurator import (check_device, check_memory, configure, describe, duration, fail, memory_errors_in_one_line, num_params,
-                          on_closed_output)
+from configurator import check_device, check_memory, configure, describe, duration, fail
 from data.common import PrepareError, check_meta, tokenizer
-from model import GPT
+from interrupts import memory_errors_in_one_line, on_closed_output
+from bench import generate_in_turns
+from model import GPT, num_params
 
 # -----------------------------------------------------------------------------
 out_dir = ''                # '' = the newest checkpoint under ./out*/
@@ -102,12 +103,10 @@ except Exception as e:  # weights of another shape, a broken vocabulary
     fail(f"cannot load checkpoint {ckpt_path}: {describe(e)}")
 ckpt = None
 model.eval().to(device=device, dtype=ptdtype)
-compiled = {}  # the ways (with, without the cache) compiled so far, each its own shapes: its first token's wait
 if compile:  # in place: stream() calls self(...), which a torch.compile(model) wrapper would not reach; on CUDA
     model.compile(mode='reduce-overhead' if 'cuda' in device else None)  # each decode step one CUDA graph replay
     print("compiling the model (torch.compile): the first token waits for it, minutes on a CPU", file=sys.stderr)
 torch.manual_seed(seed)
-device_type = 'cuda' if 'cuda' in device else 'cpu'
 
 try:  # the tokenizer the checkpoint was trained with
     encode, decode = tokenizer(meta)
@@ -137,57 +136,38 @@ x = torch.tensor(start_ids, dtype=torch.long, device=device)[None, ...]
 options = dict(temperature=temperature, top_k=top_k, top_p=top_p if top_p < 1 else None)
 
 
-def run(cached, stream=False, max_new_tokens=max_new_tokens):
-    """num_samples samples (one batch row each, one seed); returns the new tokens, tokens/s and the cache."""
-    torch.manual_seed(seed)
-    cache = model.init_cache(num_samples, static=compile) if cached else None  # static: the same shapes every step
-    if device_type == 'cuda':
-        torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    with torch.no_grad():
-        new = []
-        for tok in model.stream(x.expand(num_samples, -1), max_new_tokens, use_cache=cached, cache=cache, **options):
-            if compile and cached not in compiled:  # the first token waited for the compilation (said after the
-                compiled[cached] = duration(time.perf_counter() - t0)  # run: a line printed now would split another)
-            new.append(tok)
-            if stream:
-                print(decode(tok[0].tolist()), end='', flush=True)
-    if device_type == 'cuda':
-        torch.cuda.synchronize()
-    dt = time.perf_counter() - t0
-    out = torch.cat(new, dim=1) if new else x[:, :0].expand(num_samples, 0)
-    return out, num_samples * max_new_tokens / dt if dt > 0 else float('inf'), cache
-
-
 if not compare:
-    if num_samples == 1:  # stream the text as it is generated
-        print(start, end='')
-        run(use_cache, stream=True)
-        print()
-    else:
+    cache = model.init_cache(num_samples, static=compile) if use_cache else None  # static: the same shapes every step
+    t0, new = time.perf_counter(), []
+    if num_samples > 1:
         print(f"generating {num_samples} samples of {max_new_tokens} tokens (printed when all are done)", file=sys.stderr,
               flush=True)
-        out, _, _ = run(use_cache)
-        for row in out.tolist():
-            print(start + decode(row))
-            print('---------------')
-    if compiled:
-        print(f"compiled: the first token took {compiled[use_cache]}", file=sys.stderr)
+    else:  # one sample: streamed as it is generated
+        print(start, end='')
+    for tok in model.stream(x.expand(num_samples, -1), max_new_tokens, use_cache=use_cache, cache=cache, **options):
+        if compile and not new:  # the first token waited for the compilation (said at the end: not inside the text)
+            compiled = duration(time.perf_counter() - t0)
+        new.append(tok)
+        if num_samples == 1:
+            print(decode(tok[0].tolist()), end='', flush=True)
+    for row in torch.cat(new, dim=1).tolist() if num_samples > 1 and new else []:
+        print(start + decode(row))
+        print('---------------')
+    if num_samples == 1:
+        print()
+    if compile and new:
+        print(f"compiled: the first token took {compiled}", file=sys.stderr)
     sys.exit(0)
 
-# --compare: the same samples both ways, same seed; a short warm-up of each way, then 3 rounds taking turns
-# (one timing alone swings several-fold on a busy machine)
-speed, result = {True: [], False: []}, {}
-for r in range(4):  # round 0: the warm-up
-    for cached in (True, False):  # a line each on stderr: without the cache the baby GPT takes minutes on a CPU
-        print(f"--compare: {f'round {r} of 3' if r else 'warm-up'}, {'with' if cached else 'without'} the cache",
-              end='', file=sys.stderr, flush=True)
-        t0 = time.perf_counter()
-        result[cached] = run(cached, max_new_tokens=max_new_tokens if r else min(8, max_new_tokens))
-        print(f": {duration(time.perf_counter() - t0)}" + (f" (compiled: the first token took {compiled[cached]})"
-              if compile and not r else ''), file=sys.stderr)
-        speed[cached] += [result[cached][1]] if r else []
-(with_cache, _, cache), (without, _, _) = result[True], result[False]  # the cache as generation left it
+# --compare: the same samples both ways from the same seed, timed as bench.py times generation: a short warm-up of
+# each way, then 3 rounds taking turns (one timing alone swings several-fold on a busy machine); a line per run on
+# stderr (without the cache the baby GPT takes minutes on a CPU)
+said = lambda way, r, seconds: print(f"--compare: {f'round {r} of 3' if r else 'warm-up'}, {way} the cache: "
+                                     f"{duration(seconds)}", file=sys.stderr, flush=True)
+result = generate_in_turns({'with': (model, 'static' if compile else 'cache'), 'without': (model, None)},
+                           x.expand(num_samples, -1), max_new_tokens, device, 3, seed, said, **options)
+(with_cache, cache, _), (without, _, _) = result['with'], result['without']  # the cache as generation left it
+speed = {way: [num_samples * max_new_tokens / s for s in result[way][2]] for way in result}
 median = {k: sorted(v)[1] for k, v in speed.items()}
 spread = lambda k: f"{median[k]:,.1f}  (3 rounds: {min(speed[k]):,.1f} to {max(speed[k]):,.1f})"
 same = torch.equal(with_cache, without)
@@ -200,9 +180,9 @@ rows = [('layout', cfg.attn), ('device / dtype', f"{device} / {dtype}"),
         ('tokens identical', 'yes' if same else f"no: first difference at new token {diff[0].item()}" +
          (" (16-bit rounding: the two paths add in different orders; float32 gives the same tokens)"
           if dtype != 'float32' else "")),
-        ('tokens/s with cache', spread(True)),
-        ('tokens/s without cache', spread(False)),
-        ('speedup (medians)', f"{median[True] / median[False]:.2f}x"),
+        ('tokens/s with cache', spread('with')),
+        ('tokens/s without cache', spread('without')),
+        ('speedup (medians)', f"{median['with'] / median['without']:.2f}x"),
         (f'cache bytes at the end ({len(cache)} tokens x {num_samples} samples)', f"{cache.nbytes:,}"),
         ('cache bytes / token: measured', f"{per_token:,.1f}"),
         ('cache bytes / token: formula', f"{formula:,.1f}" + ('  (incl. the fixed state / tokens)' if state else ''))]

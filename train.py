@@ -9,13 +9,14 @@ Train one attention layout on tiny Shakespeare (nanoGPT's train.py, one layout s
 Every key below can be set by a config file or --key=value (see configurator.py). What is written to out_dir, and
 what is promised about it after an error, a kill, an interrupt or a divergence: checkpoint.py.
 """
-from checkpoint import Interrupts  # first: Ctrl-C, SIGTERM or SIGHUP during the slow imports below is one line, exit 130
+from interrupts import Interrupts  # first: Ctrl-C, SIGTERM or SIGHUP during the slow imports below: one line, exit 130
 
 interrupts = Interrupts()
 
 import hashlib
 import math
 import os
+import re
 import sys
 import time
 from contextlib import nullcontext
@@ -27,12 +28,13 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from checkpoint import Run, changed, checkpoints, kept, load_optimizer, resume_command, resume_state, weights
-from configurator import (check_device, check_train, check_train_memory, configure, describe, duration, fail,
-                          memory_errors_in_one_line, model_flags, on_closed_output, summary)
+from checkpoint import (FileError, Run, changed, checkpoints, in_use, kept, load_optimizer, model_flags, read_checkpoint,
+                        resume_command, resume_state, weights)
+from configurator import check_device, check_memory, configure, describe, duration, fail
 from convert import conversion
 from data.common import PrepareError, open_data, sample_prompt
-from model import GPT, GPTConfig
+from interrupts import memory_errors_in_one_line, on_closed_output
+from model import GPT, GPTConfig, num_params
 from wandb_run import WandB
 
 # -----------------------------------------------------------------------------
@@ -107,7 +109,49 @@ DATA = os.path.join(os.path.dirname(os.path.abspath(__file__)), 'data')
 remake = f"python data/{dataset}/prepare.py --input FILE --out_dir {data_dir}" if data_dir else "delete it and run again"
 # (remake: how the messages that find data_dir's files missing or broken say to make them anew)
 check_device(device, dtype)
-check_train(config, DATA, previous, remake)  # the model's fields by GPTConfig's own table, then train.py's values
+try:  # the model's fields first (a conversion's model has its source's shape: convert.py checks it once read)
+    converting or GPTConfig(**{f.name: config[f.name] for f in fields(GPTConfig) if f.name != 'vocab_size'})
+except ValueError as e:
+    try:  # a resume that gives one model flag (--n_kv_head=2) but not the others: name the checkpoint's
+        saved = resuming and previous and read_checkpoint(previous[0])[1]
+    except FileError:
+        saved = None
+    flags = saved and ', '.join(model_flags(saved, SimpleNamespace(**config)))
+    fail(str(e) + (f"; {previous[0]} is another model ({flags} in it): add those settings to resume it" if saved else ''))
+world = os.environ.get('WORLD_SIZE', '1').strip() if 'RANK' in os.environ else '1'  # torchrun's processes
+datasets = sorted(d for d in os.listdir(DATA) if os.path.isfile(os.path.join(DATA, d, 'prepare.py'))
+                  and d != 'mqar')  # (mqar: bench.py mqar's synthetic recall sequences, not a text to train on)
+for ok, message in (
+        *[(ok, f"{key}={config[key]!r} must be {rule}") for key, ok, rule in (
+            ('batch_size', batch_size >= 1, '>= 1'), ('max_iters', max_iters >= 0, '>= 0'),
+            ('learning_rate', learning_rate > 0, '> 0'), ('min_lr', 0 <= min_lr <= learning_rate, 'in [0, learning_rate]'),
+            ('eval_interval', eval_interval >= 1, '>= 1'), ('eval_iters', eval_iters >= 1, '>= 1'),
+            ('log_interval', log_interval >= 1, '>= 1'),
+            ('gradient_accumulation_steps', gradient_accumulation_steps >= 1, '>= 1'),
+            ('warmup_iters', warmup_iters >= 0, '>= 0'), ('lr_decay_iters', lr_decay_iters >= 1, '>= 1'),
+            ('weight_decay', weight_decay >= 0, '>= 0'), ('grad_clip', grad_clip >= 0, '>= 0 (0 = off)'),
+            ('beta1', 0 <= beta1 < 1, 'in [0, 1)'), ('beta2', 0 <= beta2 < 1, 'in [0, 1)'),
+            ('seed', 0 <= seed < 2 ** 62, 'in [0, 2**62)'))],
+        *[(abs(v) < 2 ** 62, f"{k}={v} is out of range (|value| < 2**62)") for k, v in config.items() if type(v) is int],
+        (not converting or os.path.isfile(os.path.join(init_from, 'ckpt.pt')),
+         f"init_from={init_from!r} should be 'scratch', 'resume', or an out_dir with an MHA ckpt.pt to convert"),
+        (not converting or os.path.realpath(init_from) != os.path.realpath(out_dir),
+         f"out_dir={out_dir!r} holds the checkpoint being converted; give the converted model its own out_dir"),
+        (gradient_accumulation_steps % max(1, int(world) if world.isdecimal() else 1) == 0,  # all processes' steps
+         f"gradient_accumulation_steps={gradient_accumulation_steps} must be a multiple of the {world} DDP processes"),
+        (not resuming or previous,
+         f"init_from='resume' but there is no checkpoint (ckpt.pt or last.pt) in out_dir={out_dir!r}" +
+         " yet: a train.py run is using it (resume once it has saved, or pass another --out_dir)" * in_use(out_dir)),
+        (not (eval_only and init_from == 'scratch' and previous),
+         f"eval_only=True would evaluate a new random model, not {(previous or [''])[0]}: add --init_from=resume"),
+        (re.fullmatch(r'\w+', dataset) and dataset in datasets,  # (its prepare.py is run: none from elsewhere)
+         f"dataset={dataset!r} is unknown: give one of {datasets} (a folder of data/); your own text goes in --data_dir"),
+        (not wandb_log or eval_only or wandb_project.strip(),  # (eval_only logs nothing)
+         f"wandb_project={wandb_project!r} must name a W&B project"),
+        (not data_dir or os.path.exists(os.path.join(data_dir, 'train.bin')),  # a typo: not another text
+         f"no train.bin in data_dir={data_dir!r}: make one ({remake}), or leave data_dir empty for data/{dataset}/")):
+    if not ok:
+        fail(message)
 
 # DDP: one process per device, launched by torchrun
 ddp = int(os.environ.get('RANK', -1)) != -1
@@ -124,7 +168,7 @@ if ddp:
     if not master_process:  # when rank 0 stops (its own line says why), the others' next collective fails: one line
         sys.excepthook = lambda kind, e, tb: print(f"error: rank {ddp_rank}: {describe(e)} (if rank 0 stopped first, "
                                                    "its error says why)", file=sys.stderr)
-    gradient_accumulation_steps //= ddp_world_size  # per process from here on (a multiple: check_train)
+    gradient_accumulation_steps //= ddp_world_size  # per process from here on (a multiple: checked above)
 else:
     ddp_rank, ddp_world_size, master_process = 0, 1, True
 # out_dir's files, on rank 0 (eval_only writes nothing): locked from here on, written from the first step or save on
@@ -188,7 +232,13 @@ if resuming:
     print(f"resuming from {resume_path} at iteration {iter_num}" + (f"; changed: {', '.join(changes)}" if changes else ""))
 block_size = gptconf.block_size  # (a converted model: its source's)
 tokens_per_iter = gradient_accumulation_steps * ddp_world_size * batch_size * block_size
-check_train_memory(gptconf, batch_size, dtype, device)  # counted before anything is built
+# memory, counted before anything is built: fp32 weights, gradients and AdamW's two moments (16 bytes a parameter),
+# and per token at least a dozen n_embd-wide tensors a layer kept for backward, fp32 logits and their gradient
+n_params = num_params(gptconf)
+per_token = 12 * gptconf.n_layer * gptconf.n_embd * (4 if dtype == 'float32' else 2) + 8 * gptconf.vocab_size
+check_memory(16 * n_params + batch_size * block_size * per_token, device,
+             f"{f'{n_params / 1e6:,.1f}M' if math.isfinite(n_params) else 'over 10^18'} parameters and batch_size="
+             f"{batch_size} x block_size={block_size}: the weights, optimizer and activations")
 model = GPT(gptconf)
 model.to(device)
 scaler = torch.amp.GradScaler(device_type, enabled=(dtype == 'float16' and device_type == 'cuda'))
@@ -218,8 +268,13 @@ if ddp:
 cache_bytes_per_token = gptconf.cache_bytes(block_size, ptdtype) / block_size  # at block_size, inference dtype
 # model FLOPs utilization vs an A100's bf16 peak (312 TFLOPS): PaLM's 6N + 12 L H Q T FLOPs per token, as nanoGPT
 flops_per_token = 6 * raw_model.get_num_params() + 12 * gptconf.n_layer * gptconf.n_embd * block_size
-if master_process:
-    print(f"tokens per iteration will be: {tokens_per_iter:,}\n{summary(gptconf, raw_model.get_num_params(), dtype)}")
+if master_process:  # the model in one line: layout, parameters, cache bytes per token, a hybrid's layers
+    layers = gptconf.layer_counts()  # (the pattern repeats over n_layer: its counts alone can mislead)
+    print(f"tokens per iteration will be: {tokens_per_iter:,}\n{gptconf.attn}: {raw_model.get_num_params() / 1e6:.2f}M "
+          f"parameters, cache {cache_bytes_per_token:,.0f} bytes/token at block_size {block_size} ({dtype})" +
+          " (a fixed state: the bytes shrink as the context grows)" * (not gptconf.softmax) +
+          (f"; layers: {', '.join(f'{a} x{n}' for a, n in layers.items())}" + f", in order {' '.join(gptconf.layouts)}"
+           * (gptconf.n_layer <= 16) + " (a fixed state in the linear ones)" * bool(gptconf.softmax)) * (len(layers) > 1))
 
 
 @torch.no_grad()
@@ -317,7 +372,11 @@ while True:
         t0 += eval_time  # dt: the step's time without the evaluation (nanoGPT's includes it)
     if eval_only:
         break
-    stop = interrupts.requested(device)  # once per iteration on every rank: a collective under DDP
+    stop = interrupts.flag  # under DDP agreed by every rank (a collective): all of them stop at the same iteration
+    if ddp:
+        flag = torch.tensor([float(stop)], device=device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        stop = bool(flag.item())
     if stop or iter_num >= max_iters:  # interrupted, or max_iters steps done and evaluated (saved if best)
         if master_process and local_iter_num > 0 and (stop or ckpt_stale):
             save(run.last)

@@ -14,6 +14,7 @@ from contextlib import redirect_stderr, redirect_stdout
 from dataclasses import fields
 
 from configurator import describe, fail
+from model import mlp_hidden
 
 
 class WandB:
@@ -34,13 +35,11 @@ class WandB:
         """The W&B run of train.py's config train and its model cfg (a GPTConfig; a conversion's too), named after the
         layout; summary: its params and cache_bytes_per_token. A resume's (resumed_at: its iteration) keeps its first
         config, adding what train changed. wandb_mode '' = $WANDB_MODE, else online with credentials, offline without."""
-        from configurator import used_fields
-        from model import mlp_hidden
         model_keys, attn, source = [f.name for f in fields(cfg)], train['attn'], train['init_from']
         origin = f"-from-{os.path.basename(os.path.normpath(source))}" if source not in ('scratch', 'resume') else ''
         name = train['wandb_run_name'] or self.state.get('name') or f"{attn}{origin}-{time.strftime('%Y%m%d-%H%M%S')}"
         config = {**{k: v for k, v in train.items() if k not in model_keys or k == 'attn'},  # the model: what it uses,
-                  'model': {k: getattr(cfg, k) for k in used_fields(cfg)}, 'mlp_hidden': mlp_hidden(cfg),  # resolved
+                  'model': {k: getattr(cfg, k) for k in cfg.used_fields()}, 'mlp_hidden': mlp_hidden(cfg),  # resolved
                   'params': summary['params'],
                   'tokens_per_iter': train['gradient_accumulation_steps'] * train['batch_size'] * cfg.block_size}
         state, mode = self.state, train['wandb_mode']
@@ -56,7 +55,7 @@ class WandB:
                  "--wandb_mode=offline and `wandb sync` later")
         os.environ['WANDB_MODE'] = mode  # decided before init: wandb must never prompt or wait for a network
         try:
-            import wandb
+            import wandb  # lazy: slow to import, and needed only with wandb_log=True
         except ImportError as e:
             fail(f"wandb_log=True needs wandb ({describe(e)}): pip install -r requirements.txt, or --wandb_log=False")
         try:

@@ -3,9 +3,13 @@ import errno
 import importlib.util
 import json
 import os
+import sys
 import urllib.request
 
 import numpy as np
+
+from configurator import Parser, fail
+from interrupts import exit_on_signals
 
 URL = 'https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt'
 ENV = 'SHAKESPEARE_PATH'
@@ -72,7 +76,7 @@ def tokenizer(meta):
                                  f"({', '.join(ascii(c) for c in unknown)})")
             return [stoi[c] for c in s]
         return encode, lambda ids: ''.join(meta['itos'][i] for i in ids)
-    import tiktoken
+    import tiktoken  # lazy: only a BPE data set needs it (it downloads its encodings)
     try:
         enc = tiktoken.get_encoding(meta['encoding'])
     except Exception as e:
@@ -156,8 +160,6 @@ def save(out_dir, train_ids, val_ids, meta):
 
 def cli(prepare, description):
     """argparse for a prepare script: --input PATH, --out_dir DIR; errors as one line, exit 2."""
-    import sys
-    from configurator import Parser, exit_on_signals, fail
     exit_on_signals()  # a kill mid-write leaves no temp file
     here = os.path.dirname(os.path.abspath(sys.argv[0]))
     p = Parser(prog=os.path.relpath(sys.argv[0]), description=description)  # as typed from here

@@ -1,10 +1,11 @@
-"""Deliberate one-line bugs in model.py and linear.py, each run against the tests: how many does the suite catch?
+"""Deliberate one-line bugs in model.py, linear.py and cache.py, each run against the tests: how many does the
+suite catch?
 
     python tests/mutants.py          # every mutant against the model-level tests (no train.py runs; minutes)
     python tests/mutants.py --all    # ... and each survivor against the whole suite
     python tests/mutants.py delta mla  # only the mutants whose name contains 'delta' or 'mla'
 
-Each mutant replaces one exact fragment of model.py or linear.py in a copy of the repo (never the working tree).
+Each mutant replaces one exact fragment of those files in a copy of the repo (never the working tree).
 A fragment that does not occur exactly once in them stops the run: a stale list must not pass for a caught bug.
 """
 import os
@@ -14,7 +15,7 @@ import sys
 import tempfile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-FILES = ('model.py', 'linear.py')
+FILES = ('model.py', 'linear.py', 'cache.py')
 MODEL_TESTS = ['test_attention.py', 'test_cache.py', 'test_config.py', 'test_generate.py', 'test_gpt.py',
                'test_linear.py', 'test_memory.py', 'test_mla.py', 'test_property.py', 'test_reference.py']
 

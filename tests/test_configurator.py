@@ -8,6 +8,7 @@ import pytest
 
 from conftest import ROOT
 from configurator import configure
+from model import num_params
 
 DEFAULTS = {'batch_size': 64, 'learning_rate': 1e-3, 'attn': 'mha', 'compile': False, 'n_kv_head': 0}
 
@@ -81,7 +82,7 @@ def test_help_lists_every_key_with_its_default_and_comment(script, flag):
                                     "RuntimeError('CUDA out of memory. Tried to allocate')", "ValueError('other')"])
 def test_memory_errors_are_one_line(raised):
     """What passes the size checks and still fails to allocate: one line and exit 2; other errors keep their traceback."""
-    r = subprocess.run([sys.executable, '-c', "from configurator import memory_errors_in_one_line\n"
+    r = subprocess.run([sys.executable, '-c', "from interrupts import memory_errors_in_one_line\n"
                         f"memory_errors_in_one_line('--batch_size')\nraise {raised}"], cwd=ROOT, capture_output=True,
                        text=True)
     if 'other' in raised:
@@ -91,18 +92,20 @@ def test_memory_errors_are_one_line(raised):
         assert r.stderr.rstrip().endswith("try smaller sizes (--batch_size)"), r.stderr
 
 
-def test_the_models_summary_line():
-    """Cache bytes per token from the config at the run's dtype; a hybrid's layers counted and, when few, in order
-    (the pattern repeats over n_layer: 'deltanet*2+mla' on 4 layers is 3 + 1); a fixed state said of what has one."""
-    from configurator import summary
+def test_the_models_summary_line(tmp_path, char_data):
+    """train.py's line about the model: cache bytes per token from the config at the run's dtype; a hybrid's layers
+    counted and, when few, in order (the pattern repeats over n_layer: 'deltanet*2+mla' on 4 layers is 3 + 1); a
+    fixed state said of what has one."""
     from model import GPTConfig
+    from test_train import train
     sizes = dict(n_layer=4, n_head=4, n_embd=128, block_size=64)
-    hybrid = GPTConfig(attn='deltanet*2+mla', **sizes)
-    line = summary(hybrid, 812_345, 'bfloat16')
-    assert line.startswith(f"deltanet*2+mla: 0.81M parameters, cache "
+    hybrid = GPTConfig(attn='deltanet*2+mla', vocab_size=65, **sizes)
+    run = lambda attn, *more: train(tmp_path / attn, char_data, f'--attn={attn}', '--max_iters=0', '--eval_iters=1',
+                                    *more, base=['config/cpu.py']).stdout
+    line = re.search(r"^deltanet\*2\+mla: .*$", run('deltanet*2+mla', '--dtype=bfloat16'), re.M).group(0)
+    assert line.startswith(f"deltanet*2+mla: {num_params(hybrid) / 1e6:.2f}M parameters, cache "
                            f"{hybrid.cache_bytes(64, __import__('torch').bfloat16) / 64:,.0f} bytes/token at block_size 64")
     assert "layers: deltanet x3, mla x1, in order deltanet deltanet mla deltanet (a fixed state in the linear ones)" in line
-    linear = summary(GPTConfig(attn='deltanet*1+gated_deltanet', **sizes), 1, 'float32')
-    assert 'the bytes shrink' in linear and 'in the linear ones' not in linear
-    assert 'layers' not in summary(GPTConfig(attn='gqa', **sizes), 1, 'float32')
-    assert 'in order' not in summary(GPTConfig(attn='deltanet*2+mla', **{**sizes, 'n_layer': 17}), 1, 'float32')
+    linear = run('deltanet*1+gated_deltanet')
+    assert 'the bytes shrink' in linear and 'in the linear ones' not in linear and 'in order deltanet gated' in linear
+    assert 'layers' not in run('gqa')

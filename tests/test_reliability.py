@@ -87,7 +87,7 @@ TRAIN_CASES = [
     (['--max_iters=-1'], "max_iters=-1 must be >= 0"),
     (['--eval_iters=0'], "eval_iters=0 must be >= 1"),
     (['--dropout=1.5'], "GPTConfig.dropout=1.5 is invalid"),
-    (['--attn=gqa', '--kv_lora_rank=48'], "GPTConfig.kv_lora_rank=48 is invalid: only attn='mla' uses it"),  # not ignored
+    (['--attn=gqa', '--kv_lora_rank=48'], "GPTConfig.kv_lora_rank=48 is invalid: no layer of attn='gqa' uses it"),  # not ignored
     (['--device=cuda'], "CUDA is not available here"),
     (['--device=foo'], "device='foo' should be cpu, cuda or cuda:N"),
     (['--dataset=nope', '--data_dir='], "dataset='nope' is unknown"),

@@ -21,7 +21,8 @@ import sys
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-from configurator import Parser, checked, exit_on_signals  # noqa: E402
+from configurator import Parser, checked  # noqa: E402
+from interrupts import exit_on_signals  # noqa: E402
 
 KEYS, VALUES = 32, 16
 QUERY, ANSWER = KEYS * VALUES, KEYS * VALUES + KEYS  # the first query id, the first answer id

@@ -15,7 +15,7 @@ def prepare(out_dir, input_path=None, enc=None):
     """enc: a tiktoken.Encoding; default GPT-2's, which tiktoken downloads once (tests pass their own)."""
     text = read_text(input_path, download_to=os.path.join(out_dir, 'input.txt'))
     if enc is None:
-        import tiktoken
+        import tiktoken  # lazy: as in data/common.py
         try:
             enc = tiktoken.get_encoding('gpt2')
         except Exception as e:  # tiktoken raises plain exceptions when its download fails

@@ -1,0 +1,106 @@
+"""
+How a script stops, in one place: Ctrl-C, SIGTERM (kill, schedulers), SIGHUP (the terminal closed), an output
+whose reader went away (`| head`) and out of memory each end it with one line on stderr and an exit code, never a
+traceback. Imports no torch, nor any module of ours: train.py installs its handlers before its slow imports.
+
+    Interrupts()                    train.py: a stop at once during start-up, then a flag its loop checks
+    exit_on_signals()               the prepare scripts: SIGTERM / SIGHUP as SystemExit, so finally blocks clean up
+    on_closed_output(gone)          gone() once, when stdout or stderr loses its reader; later output is dropped
+    memory_errors_in_one_line(...)  out of memory and Ctrl-C as one line (sample.py, bench.py, train.py)
+"""
+import errno
+import os
+import re
+import signal
+import sys
+from contextlib import contextmanager
+
+
+class Interrupts:
+    """Ctrl-C, SIGTERM, SIGHUP and (through on_closed_output) a reader that went away. While nothing is written they
+    stop the process at once, even in a slow build; once the run writes they only set .flag (raising inside a save
+    could break a file), which train.py's loop checks at every iteration and between evaluation batches."""
+
+    def __init__(self):
+        self.flag, self.immediate = False, True
+        self.discard = lambda: "nothing was written"  # Run.discard: removes what the run made, says what is left
+        for name in ('SIGINT', 'SIGTERM', 'SIGHUP'):  # (Windows has no SIGHUP)
+            if hasattr(signal, name):
+                signal.signal(getattr(signal, name), self)
+
+    def __call__(self, signum=None, frame=None):
+        self.flag = True
+        if self.immediate:
+            self.stop()
+
+    def stop(self):
+        try:  # os.write, not print: a handler may run inside a print
+            os.write(2, f"error: interrupted before training started; {self.discard()}\n".encode())
+        except OSError:
+            pass
+        os._exit(130)
+
+    @contextmanager
+    def deferred(self):
+        """A start-up step that writes files (preparing data, W&B's init): an interrupt waits for its end."""
+        self.immediate = False
+        yield
+        self.immediate = True
+        if self.flag:
+            self.stop()
+
+
+def exit_on_signals():
+    """SIGTERM and SIGHUP end the process as a SystemExit (exit 128 + N): finally blocks still remove temp files."""
+    for name in ('SIGTERM', 'SIGHUP'):
+        if hasattr(signal, name):
+            signal.signal(getattr(signal, name), lambda signum, frame: sys.exit(128 + signum))
+
+
+def on_closed_output(gone):
+    """Call gone() (once per stream) when stdout or stderr loses its reader; later output is dropped."""
+    sys.stdout, sys.stderr = Output(sys.stdout, gone), Output(sys.stderr, gone)
+
+
+class Output:
+    """sys.stdout or sys.stderr whose reader may go away (`| head` closed the pipe, the terminal hung up): the
+    output then goes to /dev/null and gone() is called once, instead of a BrokenPipeError at the next print."""
+
+    def __init__(self, stream, gone):
+        self.stream, self.gone, self.closed_out = stream, gone, False
+
+    def write(self, text):
+        return self.guard(self.stream.write, text) or len(text)
+
+    def flush(self):
+        self.guard(self.stream.flush)
+
+    def guard(self, call, *args):
+        try:
+            return call(*args)
+        except OSError as e:
+            if e.errno not in (errno.EPIPE, errno.EIO) or self.closed_out:
+                raise
+            self.closed_out = True  # the buffered bytes too: its file descriptor now writes to /dev/null
+            os.dup2(os.open(os.devnull, os.O_WRONLY), self.stream.fileno())
+            self.gone()
+
+    def __getattr__(self, name):
+        return getattr(self.stream, name)
+
+
+def memory_errors_in_one_line(sizes='batch_size, block_size, the model'):
+    """Out of memory (a size too large for this machine) and Ctrl-C are one line on stderr, not a traceback."""
+    default = sys.excepthook
+
+    def hook(kind, e, tb):
+        if issubclass(kind, KeyboardInterrupt):
+            print("error: interrupted", file=sys.stderr, flush=True)
+            os._exit(130)
+        if issubclass(kind, MemoryError) or re.search(r"out of memory|can't allocate memory", str(e)):
+            what = f"{kind.__name__}: {' '.join(str(e).split())[:240]}"  # (configurator's describe imports torch)
+            print(f"error: out of memory ({what}); try smaller sizes ({sizes})", file=sys.stderr, flush=True)
+            os._exit(2)  # as every other bad input
+        else:
+            default(kind, e, tb)
+    sys.excepthook = hook

@@ -16,7 +16,6 @@ import json
 import math
 import os
 import platform
-import random
 import re
 import runpy
 import shutil
@@ -38,6 +37,7 @@ from checkpoint import FileError, write_atomic
 from configurator import Parser, check_device, check_memory, checked, describe, fail, parse_value
 from data.mqar.prepare import VALUES, VOCAB, prepare
 from interrupts import memory_errors_in_one_line
+from timing import generate_in_turns, take_turns
 from linear import linear_chunked
 from model import ATTN_LAYOUTS, GPT, GPTConfig, num_params
 
@@ -59,22 +59,6 @@ def machine():
 def progress(what):
     """One line on stderr per run or layout of a long benchmark: never silent for minutes."""
     print(f"[{time.time() - START:5.0f} s] {what}", file=sys.stderr, flush=True)
-
-def take_turns(fns, device, rounds, said=lambda name, r, seconds: None):
-    """{name: [seconds, one a round]}: each fn once a round, the device synchronized around it, in a new order each
-    round (seeded), so that no fn always runs first or after the same neighbour (which may leave the caches cold);
-    said(name, round, seconds) after each."""
-    sync = torch.cuda.synchronize if device.startswith('cuda') else (lambda: None)
-    names, times = list(fns), {name: [] for name in fns}
-    for r in range(rounds):
-        for name in random.Random(r).sample(names, len(names)):
-            sync()
-            t0 = time.perf_counter()
-            fns[name]()
-            sync()
-            times[name].append(time.perf_counter() - t0)
-            said(name, r, times[name][-1])
-    return times
 
 def compile_options(device):
     """fullgraph=True: one graph or an error, never a silent eager fallback; on CUDA, CUDA graphs too."""
@@ -334,24 +318,6 @@ def roofline_section(runs, bandwidth, rate, batch, t, path):
             "the copy and the product once, in a new order; floors: the best round, steps: the median.\n\n" +
             table(['layout', 'bytes read: weights + cache', 'GFLOP', 'bytes floor ms', 'FLOP floor ms', 'binds',
                    *[f"{k} {what}" for k in kinds for what in ('ms', '% of floor')]], rows))
-
-def generate_in_turns(ways, idx, new, device, rounds, seed=0, said=lambda way, r, seconds: None, **sampling):
-    """Generation timed, for bench.py decode and sample.py --compare alike. ways: {name: (model, cache)}, cache None
-    (the window re-run every token), 'cache' or 'static' (fixed shapes: a compiled model's). Each way generates new
-    tokens after idx (B, T) from the same seed, once short (round 0: the warm-up, a compilation), then rounds times
-    taking turns; said(way, round, seconds) after each run. Returns {way: (tokens, its cache, [seconds a round])}."""
-    out = {}
-
-    def run(way, n):
-        model, kind = ways[way]
-        torch.manual_seed(seed)
-        cache = model.init_cache(idx.size(0), static=kind == 'static') if kind else None
-        out[way] = torch.cat([idx[:, :0], *model.stream(idx, n, use_cache=cache is not None, cache=cache, **sampling)],
-                             1), cache
-    take_turns({way: lambda way=way: run(way, min(8, new)) for way in ways}, device, 1, said)
-    times = take_turns({way: lambda way=way: run(way, new) for way in ways}, device, rounds,
-                       lambda way, r, seconds: said(way, r + 1, seconds))
-    return {way: (*out[way], times[way]) for way in ways}
 
 @torch.inference_mode()
 def generation(layouts, sizes, device, dtype, compile=False, prompt=16, new=240, batches=(1, 8)):

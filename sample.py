@@ -19,8 +19,8 @@ from checkpoint import FileError, checkpoints, newest_out_dir, read_checkpoint, 
 from configurator import check_device, check_memory, configure, describe, duration, fail
 from data.common import PrepareError, check_meta, tokenizer
 from interrupts import memory_errors_in_one_line, on_closed_output
-from bench import generate_in_turns
 from model import GPT, num_params
+from timing import generate_in_turns
 
 # -----------------------------------------------------------------------------
 out_dir = ''                # '' = the newest checkpoint under ./out*/
@@ -159,8 +159,8 @@ if not compare:
         print(f"compiled: the first token took {compiled}", file=sys.stderr)
     sys.exit(0)
 
-# --compare: the same samples both ways from the same seed, timed as bench.py times generation: a short warm-up of
-# each way, then 3 rounds taking turns (one timing alone swings several-fold on a busy machine); a line per run on
+# --compare: the same samples both ways from the same seed, timed as bench.py times generation (timing.py): a short
+# warm-up of each way, then 3 rounds taking turns (one timing alone swings several-fold on a busy machine); a line per run on
 # stderr (without the cache the baby GPT takes minutes on a CPU)
 said = lambda way, r, seconds: print(f"--compare: {f'round {r} of 3' if r else 'warm-up'}, {way} the cache: "
                                      f"{duration(seconds)}", file=sys.stderr, flush=True)

@@ -109,8 +109,9 @@ DATA = os.path.join(os.path.dirname(os.path.abspath(__file__)), 'data')
 remake = f"python data/{dataset}/prepare.py --input FILE --out_dir {data_dir}" if data_dir else "delete it and run again"
 # (remake: how the messages that find data_dir's files missing or broken say to make them anew)
 check_device(device, dtype)
+model_args = {f.name: config[f.name] for f in fields(GPTConfig) if f.name in config and f.name != 'vocab_size'}
 try:  # the model's fields first (a conversion's model has its source's shape: convert.py checks it once read)
-    converting or GPTConfig(**{f.name: config[f.name] for f in fields(GPTConfig) if f.name != 'vocab_size'})
+    converting or GPTConfig(**model_args)
 except ValueError as e:
     try:  # a resume that gives one model flag (--n_kv_head=2) but not the others: name the checkpoint's
         saved = resuming and previous and read_checkpoint(previous[0])[1]

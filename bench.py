@@ -278,7 +278,7 @@ def roofline(layouts, sizes, batch, contexts, device, dtype, compile=False, unca
                     return model(token, cache=cache)[0]
                 fns[attn, t, kind] = torch.compile(step, **options) if kind == 'compiled' else step
                 if kind == 'eager':  # what one step computes (on SDPA's math backend: the counter sees no fused
-                    with patch('model.DECODE_BACKENDS', math), sdpa_kernel(math), FlopCounterMode(display=False) as fc:
+                    with patch('softmax.DECODE_BACKENDS', math), sdpa_kernel(math), FlopCounterMode(display=False) as fc:
                         step()  # kernels), and what it reads (now that it ran, the cache holds t + 1 keys)
                     runs[attn, t] = dict(flops=fc.get_total_flops(),
                                          bytes=sum(p.nbytes for p in model.parameters()) + cache.nbytes)

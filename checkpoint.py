@@ -221,9 +221,9 @@ def resume_state(out_dir, device, meta, asked, data_dir):
 
 
 def model_flags(a, b):
-    """The --key=value settings of GPTConfig a that differ from b, of the fields a uses; not those b leaves at 0 where
-    a holds what 0 resolves to (an MHA's n_kv_head = n_head: --attn=mha says it)."""
-    resolved = lambda k: k in LAYER_FIELDS and getattr(b, k) == 0 and getattr(replace(a, **{k: 0}), k) == getattr(a, k)
+    """The --key=value settings of GPTConfig a that differ from b, of the fields a uses; not one that holds what 0
+    resolves to for a's layout (an MHA's n_kv_head = n_head: --attn=mha says it)."""
+    resolved = lambda k: k in LAYER_FIELDS and getattr(replace(a, **{k: 0}), k) == getattr(a, k)
     return [f"--{k}={getattr(a, k)}" for k in a.used_fields()
             if k != 'vocab_size' and getattr(a, k) != getattr(b, k) and not resolved(k)]
 

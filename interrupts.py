@@ -4,9 +4,10 @@ whose reader went away (`| head`) and out of memory each end it with one line on
 traceback. Imports no torch, nor any module of ours: train.py installs its handlers before its slow imports.
 
     Interrupts()                    train.py: a stop at once during start-up, then a flag its loop checks
-    exit_on_signals()               the prepare scripts: SIGTERM / SIGHUP as SystemExit, so finally blocks clean up
+    exit_on_signals()               the other scripts: SIGTERM / SIGHUP as one line and a SystemExit (finally
+                                    blocks still remove temp files)
     on_closed_output(gone)          gone() once, when stdout or stderr loses its reader; later output is dropped
-    memory_errors_in_one_line(...)  out of memory and Ctrl-C as one line (sample.py, bench.py, train.py)
+    memory_errors_in_one_line(...)  out of memory and Ctrl-C as one line (every script)
 """
 import errno
 import os
@@ -51,10 +52,17 @@ class Interrupts:
 
 
 def exit_on_signals():
-    """SIGTERM and SIGHUP end the process as a SystemExit (exit 128 + N): finally blocks still remove temp files."""
+    """SIGTERM and SIGHUP end the process with one line and a SystemExit (exit 128 + N): finally blocks still remove
+    temp files."""
+    def stop(signum, frame):
+        try:  # os.write, not print: the handler may run inside a print
+            os.write(2, f"error: stopped by {signal.Signals(signum).name}\n".encode())
+        except OSError:
+            pass
+        sys.exit(128 + signum)
     for name in ('SIGTERM', 'SIGHUP'):
         if hasattr(signal, name):
-            signal.signal(getattr(signal, name), lambda signum, frame: sys.exit(128 + signum))
+            signal.signal(getattr(signal, name), stop)
 
 
 def on_closed_output(gone):

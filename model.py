@@ -4,7 +4,7 @@ attention with n_kv_head K/V heads), MLA (DeepSeek-V2) and the linear-attention 
 every token: Katharopoulos, RetNet, Mamba-2, DeltaNet, Gated DeltaNet), or a per-layer mix of them ('hybrid').
 Training / prefill feeds L = S = T tokens under a causal mask; decode feeds L = 1 token that attends to
 S = T + 1 keys. k_j, v_j depend only on tokens <= j, so each layout caches them (or a state); q is not cached.
-The linear family's maths is in linear.py; this file is the switch: LAYOUTS names each layout's class.
+This file is the switch (LAYOUTS names each layout's class); the maths is in softmax.py and linear.py.
 """
 
 import math
@@ -13,10 +13,10 @@ from dataclasses import dataclass, fields, replace
 import torch
 import torch.nn as nn
 from torch.nn import functional as F
-from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from cache import Cache, LayerCache
 from linear import ShortConv, l2norm, linear_chunked, linear_step, phi
+from softmax import apply_rope, attend, rope_table
 
 # The linear layouts, the founding chapter's table: each keeps a fixed state S per head and rewrites it every token,
 #     S_t = α_t S_{t-1} (I - β_t k_t k_tᵀ) + β_t v_t k_tᵀ,     o_t = S_t q_t,
@@ -132,42 +132,6 @@ class GPTConfig:
         state = torch.promote_types(dtype, torch.float32).itemsize
         return sum(n * self.cache_elements(T, a) * (state if a in LINEAR_RULES else dtype.itemsize)
                    for a, n in self.layer_counts().items())
-
-# --- What the layouts share: RoPE and the causal attention call (the caches: cache.py) -----------------
-
-def rope_table(dim, positions, base):
-    """(L, 2, dim): cos and signed sin (-sin, +sin) of pos * base^(-2i/dim) for each pair (x[2i], x[2i+1]).
-    The angles in float64: in float32 their error grows with the position (~1e-4 rad at 2048)."""
-    inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float64, device=positions.device) / dim))
-    angles = torch.outer(positions.double(), inv_freq).repeat_interleave(2, dim=1)
-    sign = 1.0 - 2.0 * (torch.arange(dim, device=positions.device) % 2 == 0)  # -1, +1, -1, ...
-    return torch.stack([angles.cos(), angles.sin() * sign], dim=1).float()
-
-def apply_rope(x, rope):
-    """(x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin) for each pair of x (..., L, d), in float32 at least."""
-    if rope is None:
-        return x
-    cos, sin = rope.unbind(-2)  # real arithmetic, not a complex product: torch.compile cannot fuse complex ops
-    x32 = x.to(torch.promote_types(x.dtype, torch.float32))
-    return (x32 * cos + x32.unflatten(-1, (-1, 2)).flip(-1).flatten(-2) * sin).type_as(x)
-
-# decode: never cuDNN attention, which plans per key length (a cached H200 step 10x slower than no cache)
-DECODE_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
-
-def attend(q, k, v, scale=None, dropout_p=0.0, mask=None):
-    """softmax(q kᵀ * scale + mask) v. q (B, nh, L, d), k (B, n_kv, S, d), v (B, n_kv, S, dv); n_kv divides nh
-    (groups share a K/V head). mask (L, S), True = seen; None = causal with the L queries the LAST L of the S keys."""
-    (B, H, L, D), (H_kv, S) = q.shape, k.shape[1:3]
-    if mask is None and L == S:  # training, or a prefill into an empty cache: is_causal's top-left mask is right here
-        return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True, scale=scale,
-                                              enable_gqa=H != H_kv)
-    if mask is None and L > 1:
-        mask = torch.ones(L, S, dtype=torch.bool, device=q.device).tril(S - L)  # query i sees keys <= S - L + i
-    G = H // H_kv if L == 1 else 1  # decode: a group's G query heads become G queries of its one K/V head
-    with sdpa_kernel(DECODE_BACKENDS):
-        y = F.scaled_dot_product_attention(q.reshape(B, H // G, G * L, D), k, v, attn_mask=mask, dropout_p=dropout_p,
-                                           scale=scale, enable_gqa=G == 1 and H != H_kv)
-    return y.reshape(B, H, L, v.size(-1))  # reshape, not view: the output's strides depend on the backend
 
 # --- The attention layouts: same forward(x, rope, pos, cache) and init_cache(batch, capacity, dtype, device) ---
 

@@ -7,6 +7,11 @@ Sample from a trained checkpoint, with or without the cache, or both side by sid
     python sample.py --out_dir=out-shakespeare-char-mla --compare            # both ways: same tokens? speed? bytes?
     python sample.py --start=FILE:prompt.txt --num_samples=1 --temperature=0
 """
+from interrupts import exit_on_signals, memory_errors_in_one_line, on_closed_output
+
+memory_errors_in_one_line()  # first: Ctrl-C (and SIGTERM, SIGHUP) during the slow imports below is one line too
+exit_on_signals()
+
 import glob
 import os
 import sys
@@ -18,7 +23,6 @@ import torch
 from checkpoint import FileError, checkpoints, newest_out_dir, read_checkpoint, trained_on, weights
 from configurator import check_device, check_memory, configure, describe, duration, fail
 from data.common import PrepareError, check_meta, tokenizer
-from interrupts import memory_errors_in_one_line, on_closed_output
 from model import GPT, num_params
 from timing import generate_in_turns
 
@@ -38,7 +42,6 @@ dtype = 'bfloat16' if torch.cuda.is_available() and torch.cuda.is_bf16_supported
 compile = False            # torch.compile the model, with a static cache (on CUDA: CUDA graphs)
 # -----------------------------------------------------------------------------
 config_keys = [k for k, v in globals().items() if not k.startswith('_') and isinstance(v, (int, float, bool, str))]
-memory_errors_in_one_line()  # and Ctrl-C: one line, exit 130
 on_closed_output(lambda: os._exit(0))  # `| head`: the reader has what it wanted; end quietly
 globals().update(configure({k: globals()[k] for k in config_keys if k != 'config_keys'}, sys.argv[1:], __file__))
 # -----------------------------------------------------------------------------

@@ -117,8 +117,8 @@ except ValueError as e:
         saved = resuming and previous and read_checkpoint(previous[0])[1]
     except FileError:
         saved = None
-    flags = saved and ', '.join(model_flags(saved, SimpleNamespace(**config)))
-    fail(str(e) + (f"; {previous[0]} is another model ({flags} in it): add those settings to resume it" if saved else ''))
+    flags = saved and ', '.join(model_flags(saved, SimpleNamespace(**config)))  # ('' if it says none: no hint)
+    fail(str(e) + (f"; {previous[0]} is another model ({flags} in it): add those settings to resume it" if flags else ''))
 world = os.environ.get('WORLD_SIZE', '1').strip() if 'RANK' in os.environ else '1'  # torchrun's processes
 datasets = sorted(d for d in os.listdir(DATA) if os.path.isfile(os.path.join(DATA, d, 'prepare.py'))
                   and d != 'mqar')  # (mqar: bench.py mqar's synthetic recall sequences, not a text to train on)

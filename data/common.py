@@ -9,7 +9,6 @@ import urllib.request
 import numpy as np
 
 from configurator import Parser, fail
-from interrupts import exit_on_signals
 
 URL = 'https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt'
 ENV = 'SHAKESPEARE_PATH'
@@ -160,7 +159,6 @@ def save(out_dir, train_ids, val_ids, meta):
 
 def cli(prepare, description):
     """argparse for a prepare script: --input PATH, --out_dir DIR; errors as one line, exit 2."""
-    exit_on_signals()  # a kill mid-write leaves no temp file
     here = os.path.dirname(os.path.abspath(sys.argv[0]))
     p = Parser(prog=os.path.relpath(sys.argv[0]), description=description)  # as typed from here
     p.add_argument('--input', help=f'local input.txt (default: ${ENV}, else download)')

@@ -1,5 +1,5 @@
-"""Deliberate one-line bugs in model.py, linear.py and cache.py, each run against the tests: how many does the
-suite catch?
+"""Deliberate one-line bugs in model.py and the files of its maths (softmax.py, linear.py, cache.py), each run
+against the tests: how many does the suite catch?
 
     python tests/mutants.py          # every mutant against the model-level tests (no train.py runs; minutes)
     python tests/mutants.py --all    # ... and each survivor against the whole suite
@@ -15,7 +15,7 @@ import sys
 import tempfile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-FILES = ('model.py', 'linear.py', 'cache.py')
+FILES = ('model.py', 'softmax.py', 'linear.py', 'cache.py')
 MODEL_TESTS = ['test_attention.py', 'test_cache.py', 'test_config.py', 'test_generate.py', 'test_gpt.py',
                'test_linear.py', 'test_memory.py', 'test_mla.py', 'test_property.py', 'test_reference.py']
 

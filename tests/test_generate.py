@@ -128,12 +128,12 @@ def test_decode_tokens_do_not_depend_on_the_sdpa_backend(attn, backend, monkeypa
     """Greedy tokens, cached and not, are the same whether SDPA runs its fused kernel or the math one,
     in prefill (the caller's choice, math where the fused kernel can't: MLA's training path has d_k != d_v)
     and in decode (attend's DECODE_BACKENDS)."""
-    import model as model_module
+    import softmax
     from torch.nn.attention import SDPBackend, sdpa_kernel
     m = make_model(attn, dtype=torch.float32)
     prompt = torch.randint(0, 40, (2, 4), generator=torch.Generator().manual_seed(0))
     reference = m.generate(prompt, 40, temperature=0, use_cache=False)  # default backends, no cache
-    monkeypatch.setattr(model_module, 'DECODE_BACKENDS', [getattr(SDPBackend, backend)])
+    monkeypatch.setattr(softmax, 'DECODE_BACKENDS', [getattr(SDPBackend, backend)])
     with sdpa_kernel([getattr(SDPBackend, backend), SDPBackend.MATH]):
         assert torch.equal(m.generate(prompt, 40, temperature=0, use_cache=True), reference)
         assert torch.equal(m.generate(prompt, 40, temperature=0, use_cache=False), reference)

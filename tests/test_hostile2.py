@@ -115,8 +115,27 @@ def test_a_killed_prepare_script_leaves_no_temp_file(tmp_path):
         assert time.time() < deadline and p.poll() is None, "the prepare script ended before it was signalled"
         time.sleep(0.005)
     p.send_signal(signal.SIGTERM)
-    p.wait(timeout=60)
+    _, err = p.communicate(timeout=60)
     assert p.returncode == 143 and not [f for f in os.listdir(out) if '.tmp' in f], os.listdir(out)
+    assert err.decode().strip() == 'error: stopped by SIGTERM', err  # one line
+
+
+@pytest.mark.parametrize('sig', [signal.SIGINT, signal.SIGTERM], ids=['SIGINT', 'SIGTERM'])
+@pytest.mark.parametrize('delay', [0.1, 0.6])
+def test_the_other_scripts_stopped_during_start_up_say_one_line(tmp_path, sig, delay):
+    """sample.py and a prepare script stopped while torch or numpy is still being imported (Ctrl-C gave a traceback,
+    SIGTERM nothing at all): one line on stderr, exit 130 or 143. Their handlers come before the slow imports."""
+    for script in ('sample.py', 'data/shakespeare_char/prepare.py'):
+        p = subprocess.Popen([sys.executable, script, f'--out_dir={tmp_path / "none"}'], cwd=ROOT, text=True,
+                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # as a foreground Ctrl-C
+        time.sleep(delay)
+        p.send_signal(sig)
+        err = p.communicate(timeout=60)[1]
+        if p.returncode not in (0, 2):  # (2: it was that fast, and found no checkpoint or text: one line too)
+            assert p.returncode == 128 + sig and err.strip() == ('error: interrupted' if sig == signal.SIGINT else
+                                                                 'error: stopped by SIGTERM'), (script, err)
+        assert 'Traceback' not in err and len(err.strip().splitlines()) <= 1, (script, err)
 
 
 def test_bench_keeps_its_earlier_run_when_train_py_ran_none(tmp_path):

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from conftest import make_model, full_logits, tol
-from model import apply_rope
+from softmax import apply_rope
 
 
 def layer0_inputs(model, idx):

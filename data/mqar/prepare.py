@@ -18,11 +18,15 @@ import json
 import os
 import sys
 
-import numpy as np
-
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+from interrupts import exit_on_signals, memory_errors_in_one_line  # noqa: E402
+
+if __name__ == '__main__':  # first: Ctrl-C or a kill during the slow imports below is one line too
+    memory_errors_in_one_line('--train, --val')
+    exit_on_signals()  # (a kill mid-write leaves no temp file)
+import numpy as np  # noqa: E402
+
 from configurator import Parser, checked  # noqa: E402
-from interrupts import exit_on_signals  # noqa: E402
 
 KEYS, VALUES = 32, 16
 QUERY, ANSWER = KEYS * VALUES, KEYS * VALUES + KEYS  # the first query id, the first answer id
@@ -78,7 +82,6 @@ def main():
     count = checked(int, lambda v: 1 <= v <= 10 ** 6, "give an integer from 1 to 1,000,000")
     pairs = checked(lambda s: sorted({int(x) for x in s.split(',')}), lambda v: 1 <= v[0] and v[-1] <= KEYS,
                     f"give integers from 1 to {KEYS}, comma-separated")
-    exit_on_signals()  # a kill mid-write leaves no temp file
     p = Parser(prog='data/mqar/prepare.py', description=__doc__)
     p.add_argument('--pairs', type=pairs, default='4,8,16,24,32', help='numbers of pairs N (default: 4,8,16,24,32)')
     p.add_argument('--train', type=count, default=20000, help='training sequences per N (default: 20000)')

@@ -70,7 +70,8 @@ def table(header, rows):  # markdown
     return "\n".join([f"| {' | '.join(header)} |", "|---" * len(header) + "|", *rows]) + "\n"
 
 def plot(path, lines, legend, **axes):
-    """One figure for path, saved with the report (PLOTS): lines are (xs, ys, label, matplotlib style); axes: title, ..."""
+    """One figure for path, saved with the report (PLOTS): lines are (xs, ys, label, matplotlib style); axes: title,
+    labels, scales."""
     from matplotlib.figure import Figure  # lazy: only the modes that plot load it; no pyplot, no backend to choose
     fig = Figure(figsize=(7, 4.5), layout='tight')
     ax = fig.subplots()
@@ -92,7 +93,8 @@ def cache_report(layouts=LAYOUTS):
         T, model = cfg.block_size, GPT(cfg).eval()
         cache = model.init_cache(1)
         model(torch.randint(0, cfg.vocab_size, (1, T)), cache=cache)
-        state, per_token, formula = cfg.cache_elements(0), cfg.cache_elements(1) - cfg.cache_elements(0), cfg.cache_bytes(T)
+        state, formula = cfg.cache_elements(0), cfg.cache_bytes(T)
+        per_token = cfg.cache_elements(1) - state
         rows.append(f"| {name} | {cfg.n_kv_head if cfg.softmax in ('mha', 'gqa', 'mqa') else '—'} | {per_token:,} | "
                     f"{cfg.cache_bytes(1, torch.float16) - cfg.cache_bytes(0, torch.float16):,} | {state:,} | "
                     f"{formula:,} | {cache.nbytes:,} | {cache.nbytes / formula:.3f} |")
@@ -128,7 +130,8 @@ def train_run(run_dir, args):
     shutil.rmtree(run_dir, ignore_errors=True)
     os.replace(new, run_dir)
     rows = [json.loads(line) for line in open(os.path.join(run_dir, 'metrics.jsonl'))]
-    return dict(rows=rows, evals=[r for r in rows if 'val/loss' in r], params=re.search(r"([\d.]+)M param", r.stdout)[1],
+    return dict(rows=rows, evals=[r for r in rows if 'val/loss' in r],
+                params=re.search(r"([\d.]+)M param", r.stdout)[1],
                 tokens=int(re.search(r"tokens per iteration will be: ([\d,]+)", r.stdout)[1].replace(',', '')))
 
 def check_models(args, recipe, layouts=None):
@@ -156,7 +159,7 @@ def train_report(args):
         f'--eval_interval={every}', '--log_interval=1', *args.extra]) for attn in args.layouts}
     for attn, run in runs.items():
         last, best = run['evals'][-1], min(run['evals'], key=lambda r: r['val/loss'])
-        steps = [row for row in run['rows'] if 'ms_per_iter' in row]  # the median step: of those without an eval, if any
+        steps = [row for row in run['rows'] if 'ms_per_iter' in row]  # the median step: of those without an eval
         ms = statistics.median(row['ms_per_iter'] for row in [s for s in steps if s['iter'] % every] or steps)
         rows.append(f"| {attn} | {run['params']}M | {last['cache_bytes_per_token']:,.0f} | {last['train/loss']:.4f} | "
                     f"{last['val/loss']:.4f} | {best['val/loss']:.4f} ({best['iter']}) | {ms:.1f} | "
@@ -195,7 +198,8 @@ def step_time_vs_nanogpt(nanogpt_path, layouts=(), rounds=30, steps=10):
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             opt.step()
             opt.zero_grad(set_to_none=True)
-    opts = {k: torch.optim.AdamW(m.parameters(), lr=1e-3, betas=(0.9, 0.99), weight_decay=0.1) for k, m in models.items()}
+    opts = {k: torch.optim.AdamW(m.parameters(), lr=1e-3, betas=(0.9, 0.99), weight_decay=0.1)
+            for k, m in models.items()}
     times = take_turns({k: lambda k=k: train(models[k], opts[k]) for k in models}, 'cpu', rounds + 1)
     ms = {k: [s / steps * 1000 for s in v[1:]] for k, v in times.items()}  # round 0: the warm-up
     ratios = lambda k, to: [a / b for a, b in zip(ms[k], ms[to])]  # each round's
@@ -278,7 +282,8 @@ def roofline(layouts, sizes, batch, contexts, device, dtype, compile=False, unca
                     return model(token, cache=cache)[0]
                 fns[attn, t, kind] = torch.compile(step, **options) if kind == 'compiled' else step
                 if kind == 'eager':  # what one step computes (on SDPA's math backend: the counter sees no fused
-                    with patch('softmax.DECODE_BACKENDS', math), sdpa_kernel(math), FlopCounterMode(display=False) as fc:
+                    counter = FlopCounterMode(display=False)
+                    with patch('softmax.DECODE_BACKENDS', math), sdpa_kernel(math), counter as fc:
                         step()  # kernels), and what it reads (now that it ran, the cache holds t + 1 keys)
                     runs[attn, t] = dict(flops=fc.get_total_flops(),
                                          bytes=sum(p.nbytes for p in model.parameters()) + cache.nbytes)
@@ -442,7 +447,8 @@ def mqar_report(args):
         todo = {pool.submit(mqar_run, path, name, lr, args.max_iters): (name, lr) for name, lr in runs}
         for done in as_completed(todo):
             acc[todo[done]] = done.result()
-            progress(f"mqar: {todo[done][0]} at lr {todo[done][1]:g}: mean recall {statistics.mean(acc[todo[done]].values()):.1%}")
+            name, lr = todo[done]
+            progress(f"mqar: {name} at lr {lr:g}: mean recall {statistics.mean(acc[name, lr].values()):.1%}")
     mean = {run: statistics.mean(r.values()) for run, r in acc.items()}
     best = {name: max((lr for lr in lrs if (name, lr) in mean), key=lambda lr: mean[name, lr]) for name in args.layouts}
     d, head_dim = MQAR['n_embd'], MQAR['n_embd'] // MQAR['n_head']
@@ -542,7 +548,8 @@ def main(argv=None):
                                             if args.out else "give a folder to write the results in"))
     args.out = 'results' if args.readme else args.out or 'out-bench'  # results/: what the README shows
     args.layouts = [a for a in LAYOUTS if a in args.layouts]  # in the usual order
-    args.max_iters = args.max_iters or {'mqar': 3000}.get(args.mode, 5000 if args.mode == 'train' and args.device != 'cpu' else 2000)
+    cuda_train = args.mode == 'train' and args.device != 'cpu'
+    args.max_iters = args.max_iters or {'mqar': 3000}.get(args.mode, 5000 if cuda_train else 2000)
     check_device(args.device, args.dtype)
     if args.mode == 'decode' and args.device == 'cpu' and args.dtype == 'float16':
         p.error("--dtype=float16 on CPU: no fp16 matmul kernels here (a 2048^2 product took 69 s, 0.13 s in float32); "
@@ -562,7 +569,8 @@ def main(argv=None):
                     8 * args.batch * (args.t + 1) * len(cfgs),  # the caches, and the token ids
                     sum(c.cache_bytes(max(args.contexts) + 1, dtype) * len(args.contexts) for c in cfgs) +  # full buffers
                     ('mla' in [c.softmax for c in cfgs]) * max(args.contexts) ** 2 * args.n_head * 4)  # MLA's uncached scores
-        check_memory(need, args.device, f"--t={args.t}, --batch={args.batch}, --contexts, the sizes: weights and caches")
+        check_memory(need, args.device,
+                     f"--t={args.t}, --batch={args.batch}, --contexts, the sizes: weights and caches")
         if args.mode in ('train', 'convert') and not os.path.isfile('train.py'):
             raise ValueError(f"{args.mode} runs train.py and config/ from here: run bench.py in its own folder")
         if args.readme and not (start in readme and end in readme):

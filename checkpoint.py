@@ -86,7 +86,7 @@ def why(e, path):
     return e.strerror if isinstance(e, OSError) and e.strerror else describe(e)
 
 
-RESUME = ('model', 'optimizer', 'model_args', 'iter_num', 'best_val_loss')  # what a resume reads (sampling: the first 2)
+RESUME = ('model', 'optimizer', 'model_args', 'iter_num', 'best_val_loss')  # what a resume reads (sampling: 2)
 
 
 def read_checkpoint(path, device='cpu', keys=('model', 'model_args')):
@@ -109,7 +109,8 @@ def read_checkpoint(path, device='cpu', keys=('model', 'model_args')):
     if what := damaged(path):  # torch.load reads a changed byte as a changed weight
         raise FileError(f"cannot load checkpoint {path}: corrupted: {what}")
     if not zipfile.is_zipfile(path):  # torch.save's format before torch 1.6: a changed byte would load unnoticed
-        raise FileError(f"cannot load checkpoint {path}: torch.save's old format, with no CRCs to check it by; re-save it")
+        raise FileError(f"cannot load checkpoint {path}: torch.save's old format, with no CRCs to check it by; "
+                        "re-save it")
     kinds = {'model': dict, 'optimizer': dict, 'model_args': dict, 'iter_num': int, 'best_val_loss': float}
     wrong = [k for k in keys if not isinstance(ckpt, dict) or not isinstance(ckpt.get(k), kinds[k])]
     wrong += [k for k, ok in (('iter_num', lambda v: v >= 0), ('best_val_loss', lambda v: v == v)) if k in keys
@@ -149,8 +150,8 @@ def load_optimizer(optimizer, state):
     """A checkpoint's optimizer state into optimizer, checked: torch matches only the groups' sizes, and a moment of
     another shape would fail at the first step, after an evaluation, in a traceback."""
     optimizer.load_state_dict(state)
-    if not all(isinstance(s, dict) and all(torch.is_tensor(v) and (v.dim() == 0 or v.shape == p.shape) for v in s.values())
-               for p, s in optimizer.state.items()):
+    fits = lambda p, s: all(torch.is_tensor(v) and (v.dim() == 0 or v.shape == p.shape) for v in s.values())
+    if not all(isinstance(s, dict) and fits(p, s) for p, s in optimizer.state.items()):
         raise ValueError("its optimizer state does not fit the model's weights (a moment of another shape)")
 
 
@@ -182,7 +183,7 @@ def kept(out_dir):
 
 def newest_out_dir():
     """The out*/ folder here with the newest checkpoint (the folders train.py's configs write), or 'out'."""
-    found = [p for p in glob('out*/ckpt.pt') + glob('out*/last.pt') if os.path.isfile(p)]  # (not a folder, a broken link)
+    found = [p for p in glob('out*/ckpt.pt') + glob('out*/last.pt') if os.path.isfile(p)]  # (no folder, no dead link)
     mtime = lambda p: os.stat(p).st_mtime if os.path.isfile(p) else 0  # (again: a live run deletes last.pt as it saves)
     return os.path.dirname(max(found, key=mtime, default='out/'))
 
@@ -211,8 +212,8 @@ def resume_state(out_dir, device, meta, asked, data_dir):
     path, ckpt, saved = max(loaded, key=lambda c: c[1]['iter_num'])  # the first of equals: ckpt.pt
     if ckpt.get('meta') != meta:  # the same tokens, not only as many
         fail(f"{path} was trained on another vocabulary ({saved.vocab_size} tokens) than the data in {data_dir} "
-             f"({asked.vocab_size}{', other ones' * (saved.vocab_size == asked.vocab_size)}); resume with its --dataset / "
-             f"--data_dir or change out_dir")
+             f"({asked.vocab_size}{', other ones' * (saved.vocab_size == asked.vocab_size)}); resume with its "
+             f"--dataset / --data_dir or change out_dir")
     same = dict(chunk_size=asked.chunk_size, attn=asked.attn if saved.layouts == asked.layouts else saved.attn)
     differ = model_flags(replace(saved, **same), asked)  # chunks of any size, a stack spelled otherwise: same weights
     if differ:
@@ -221,11 +222,12 @@ def resume_state(out_dir, device, meta, asked, data_dir):
 
 
 def model_flags(a, b):
-    """The --key=value settings of GPTConfig a that differ from b, of the fields a uses; not one that holds what 0
-    resolves to for a's layout (an MHA's n_kv_head = n_head: --attn=mha says it)."""
-    resolved = lambda k: k in LAYER_FIELDS and getattr(replace(a, **{k: 0}), k) == getattr(a, k)
-    return [f"--{k}={getattr(a, k)}" for k in a.used_fields()
-            if k != 'vocab_size' and getattr(a, k) != getattr(b, k) and not resolved(k)]
+    """The --key=value settings of GPTConfig a that differ from b (a GPTConfig, or train.py's flags), of the fields a
+    uses; not one that both leave at their layout's default (an MHA's n_kv_head = n_head: --attn=mha says it)."""
+    default = lambda c, k: getattr(c, k) == LAYER_FIELDS[k] or isinstance(c, GPTConfig) and getattr(
+        replace(c, **{k: LAYER_FIELDS[k]}), k) == getattr(c, k)
+    return [f"--{k}={getattr(a, k)}" for k in a.used_fields() if k != 'vocab_size' and getattr(a, k) != getattr(b, k)
+            and not (k in LAYER_FIELDS and default(a, k) and default(b, k))]
 
 
 def changed(ckpt, config, keys=('max_iters', 'lr_decay_iters', 'warmup_iters', 'learning_rate', 'min_lr', 'decay_lr',
@@ -259,9 +261,10 @@ class Run:
             d = os.path.abspath(out_dir)
             while not os.path.isdir(d):  # the folders makedirs adds, outermost first, then the lock if new
                 self.made, d = [d] + self.made, os.path.dirname(d)
-            self.made += [os.path.join(out_dir, 'train.lock')] * (not os.path.exists(os.path.join(out_dir, 'train.lock')))
+            lock = os.path.join(out_dir, 'train.lock')
+            self.made += [lock] * (not os.path.exists(lock))
             os.makedirs(out_dir, exist_ok=True)
-            self.lock = appending(os.path.join(out_dir, 'train.lock'))  # the OS drops the lock when the process dies
+            self.lock = appending(lock)  # the OS drops the lock when the process dies
         except OSError as e:
             fail(f"out_dir={out_dir!r} is not writable ({e.strerror}); pass --out_dir=DIR")
         try:
@@ -311,7 +314,8 @@ class Run:
         if not os.path.isfile(self.metrics):
             return []
         with open(self.metrics, errors='replace') as f:
-            return [row for line in f if line.endswith('\n') and (row := loads(line)) and isinstance(row.get('iter'), int)]
+            return [row for line in f
+                    if line.endswith('\n') and (row := loads(line)) and isinstance(row.get('iter'), int)]
 
     def log(self, row):
         """One row to metrics.jsonl (and W&B): a failed write (disk full) stops the run with the log's rows whole."""
@@ -370,7 +374,8 @@ class Run:
         held, note = self.ckpt if os.path.isfile(self.ckpt) else self.last, ''
         if held == self.last:  # no ckpt.pt: no evaluation beat the first, of the untrained weights (never saved)
             which = 'the final'
-            note = f" (not iteration {best['iter']}'s: those are not saved)" if best and best['iter'] != iter_num else ''
+            if best and best['iter'] != iter_num:
+                note = f" (not iteration {best['iter']}'s: those are not saved)"
         print(f"done at iteration {iter_num}" + (f": best val loss {best['val/loss']:.4f} at iteration {best['iter']}"
               if best else "") + (f"; {which} weights in {held}{note}; sample them with: python sample.py "
               f"--out_dir={shlex.quote(self.out_dir)}" if os.path.isfile(held) else "; no weights saved"))
@@ -380,8 +385,10 @@ class Run:
 
 
 def appending(path):
-    """path opened to append, never blocking (a FIFO put there) nor through a link: only a regular file, else OSError."""
-    f = open(os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NONBLOCK | getattr(os, 'O_NOFOLLOW', 0), 0o666), 'a')
+    """path opened to append, never blocking (a FIFO put there) nor through a link: only a regular file, else
+    OSError."""
+    flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NONBLOCK | getattr(os, 'O_NOFOLLOW', 0)
+    f = open(os.open(path, flags, 0o666), 'a')
     if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
         f.close()
         raise OSError(errno.EINVAL, 'not a regular file')

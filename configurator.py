@@ -150,7 +150,8 @@ class Assignments(dict):
 
 def configure(config, argv, script=None, given=None):
     """config: {key: default}. Returns a new dict with config files and overrides applied, in order; given (a dict)
-    gets each key they set and what set it last: the config file's path or '--key'. -h / --help prints the keys of `script` and exits."""
+    gets each key they set and what set it last: the config file's path or '--key'. -h / --help prints the keys of
+    `script` and exits."""
     config = dict(config)
     if script and ({'-h', '--help'} & set(argv)):
         print(usage(config, script))

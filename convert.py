@@ -30,7 +30,8 @@ def pool_kv_heads(state_dict, config, n_kv_head):
 
 def conversion(init_from, device, meta, data_dir, remake, config, given):
     """(GPTConfig, weights) of the model `train.py --init_from=DIR` starts from: DIR's MHA ckpt.pt with this run's
-    attn, K/V heads and dropout, its K/V heads mean-pooled; its shape (and MLP) kept, a flag asking for another refused."""
+    attn, K/V heads and dropout, its K/V heads mean-pooled; its shape (and MLP) kept, a flag asking for another
+    refused."""
     try:
         source, cfg = read_checkpoint(os.path.join(init_from, 'ckpt.pt'), device, RESUME)
     except FileError as e:
@@ -46,16 +47,18 @@ def conversion(init_from, device, meta, data_dir, remake, config, given):
             open_data(data_dir, cfg.block_size, remake)
         except PrepareError as e:
             fail(str(e))
-    own = {'attn': config['attn'], 'n_kv_head': config['n_kv_head'], 'match_mha_params': False, 'dropout': config['dropout']}
+    own = dict(attn=config['attn'], n_kv_head=config['n_kv_head'], match_mha_params=False, dropout=config['dropout'])
     shape = {k: v for k, v in vars(cfg).items() if k != 'vocab_size'}
     conflicts = [(f"--{k}={config[k]}" if given[k].startswith('--') else f"{k}={config[k]} of {given[k]}") +
-                 f" (the checkpoint has {v})" for k, v in shape.items() if k in given and k not in own and config[k] != v]
+                 f" (the checkpoint has {v})"
+                 for k, v in shape.items() if k in given and k not in own and config[k] != v]
     if conflicts:
         fail(f"converting {init_from} keeps its shape: drop {', '.join(conflicts)}")
     print(f"the shape of {init_from}: " + ' '.join(f"{k}={shape[k]}" for k in
                                                    ('block_size', 'n_layer', 'n_head', 'n_embd', 'pos_emb', 'bias')))
     try:
-        gptconf = GPTConfig(vocab_size=meta['vocab_size'], **{**shape, **own})  # this run's K/V heads, the source's n_head
+        # this run's K/V heads, the source's n_head
+        gptconf = GPTConfig(vocab_size=meta['vocab_size'], **{**shape, **own})
         pooled = pool_kv_heads(weights(source), cfg, gptconf.n_kv_head)
     except ValueError as e:
         fail(f"converting {init_from}: {e}")

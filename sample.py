@@ -38,7 +38,7 @@ seed = 1337                # of the sampling (the sample train.py logs at iterat
 use_cache = True           # KV cache (or the layout's state); False re-runs the window every token
 compare = False            # generate with and without the cache and print a comparison table
 device = 'cuda' if torch.cuda.is_available() else 'cpu'  # cpu, cuda or cuda:N
-dtype = 'bfloat16' if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else 'float16' if torch.cuda.is_available() else 'float32'  # of the weights and the cache (16 bits: half the bytes a token reads)
+dtype = ('bfloat16' if torch.cuda.is_bf16_supported() else 'float16') if torch.cuda.is_available() else 'float32'  # weights, cache
 compile = False            # torch.compile the model, with a static cache (on CUDA: CUDA graphs)
 # -----------------------------------------------------------------------------
 config_keys = [k for k, v in globals().items() if not k.startswith('_') and isinstance(v, (int, float, bool, str))]
@@ -143,8 +143,8 @@ if not compare:
     cache = model.init_cache(num_samples, static=compile) if use_cache else None  # static: the same shapes every step
     t0, new = time.perf_counter(), []
     if num_samples > 1:
-        print(f"generating {num_samples} samples of {max_new_tokens} tokens (printed when all are done)", file=sys.stderr,
-              flush=True)
+        print(f"generating {num_samples} samples of {max_new_tokens} tokens (printed when all are done)",
+              file=sys.stderr, flush=True)
     else:  # one sample: streamed as it is generated
         print(start, end='')
     for tok in model.stream(x.expand(num_samples, -1), max_new_tokens, use_cache=use_cache, cache=cache, **options):
@@ -162,9 +162,9 @@ if not compare:
         print(f"compiled: the first token took {compiled}", file=sys.stderr)
     sys.exit(0)
 
-# --compare: the same samples both ways from the same seed, timed as bench.py times generation (timing.py): a short
-# warm-up of each way, then 3 rounds taking turns (one timing alone swings several-fold on a busy machine); a line per run on
-# stderr (without the cache the baby GPT takes minutes on a CPU)
+# --compare: the same samples both ways from the same seed, timed as bench.py times generation (timing.py): a
+# short warm-up of each way, then 3 rounds taking turns (one timing alone swings several-fold on a busy machine);
+# a line per run on stderr (without the cache the baby GPT takes minutes on a CPU)
 said = lambda way, r, seconds: print(f"--compare: {f'round {r} of 3' if r else 'warm-up'}, {way} the cache: "
                                      f"{duration(seconds)}", file=sys.stderr, flush=True)
 result = generate_in_turns({'with': (model, 'static' if compile else 'cache'), 'without': (model, None)},

@@ -28,8 +28,8 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from checkpoint import (FileError, Run, changed, checkpoints, in_use, kept, load_optimizer, model_flags, read_checkpoint,
-                        resume_command, resume_state, weights)
+from checkpoint import (FileError, Run, changed, checkpoints, in_use, kept, load_optimizer, model_flags,
+                        read_checkpoint, resume_command, resume_state, weights)
 from configurator import check_device, check_memory, configure, describe, duration, fail
 from convert import conversion
 from data.common import PrepareError, open_data, sample_prompt
@@ -44,7 +44,7 @@ out_dir = 'out'                 # where ckpt.pt (best val loss), last.pt (resume
 eval_interval = 250             # evaluate (and save if best) every this many iterations, and at the end
 log_interval = 10               # print and log the training loss every this many iterations
 eval_iters = 200                # batches per split in an evaluation
-eval_only = False               # evaluate once (the resumed checkpoint with --init_from=resume) and stop; writes nothing
+eval_only = False               # evaluate once (with --init_from=resume: the checkpoint) and stop; writes nothing
 always_save_checkpoint = False  # else only when val loss improves
 init_from = 'scratch'           # 'scratch', 'resume' (out_dir's newest state), or an MHA out_dir to convert
 overwrite = False               # a new run may replace out_dir's checkpoints (else it is refused)
@@ -67,7 +67,7 @@ n_head = 6                      # query heads
 n_embd = 384                    # model width
 dropout = 0.2                   # dropout probability (embeddings, attention, residuals)
 bias = False                    # biases in Linears and LayerNorms (GPT-2 had them)
-attn = 'mha'                    # mha, gqa, mqa, mla, linear, retnet, mamba2, deltanet, gated_deltanet; or a hybrid 'gated_deltanet*3+gqa'
+attn = 'mha'                    # mha gqa mqa mla linear retnet mamba2 deltanet gated_deltanet, or 'deltanet*3+gqa'
 n_kv_head = 0                   # K/V heads; 0 = mha n_head, gqa n_head's smallest divisor > 1, mqa 1
 pos_emb = 'rope'                # rope, or learned absolute positions (nanoGPT's)
 rope_base = 10000.0             # RoPE theta base
@@ -90,7 +90,7 @@ lr_decay_iters = 5000           # cosine decay reaches min_lr here (~max_iters)
 min_lr = 1e-4                   # the learning rate at and after lr_decay_iters
 # system
 device = 'cuda' if torch.cuda.is_available() else 'cpu'  # cpu, cuda or cuda:N
-dtype = 'bfloat16' if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else 'float16' if torch.cuda.is_available() else 'float32'  # autocast dtype
+dtype = ('bfloat16' if torch.cuda.is_bf16_supported() else 'float16') if torch.cuda.is_available() else 'float32'  # autocast
 compile = False                 # torch.compile the model
 backend = ''                    # '' = nccl on CUDA, gloo on CPU
 seed = 1337                     # every random draw of training is a function of (seed, rank, iteration)
@@ -106,7 +106,8 @@ globals().update(config)
 resuming, converting = init_from == 'resume', init_from not in ('scratch', 'resume')  # else an MHA out_dir to convert
 previous = checkpoints(out_dir)
 DATA = os.path.join(os.path.dirname(os.path.abspath(__file__)), 'data')
-remake = f"python data/{dataset}/prepare.py --input FILE --out_dir {data_dir}" if data_dir else "delete it and run again"
+remake = f"python data/{dataset}/prepare.py --input FILE --out_dir {data_dir}" if data_dir else \
+    "delete it and run again"
 # (remake: how the messages that find data_dir's files missing or broken say to make them anew)
 check_device(device, dtype)
 model_args = {f.name: config[f.name] for f in fields(GPTConfig) if f.name in config and f.name != 'vocab_size'}
@@ -118,14 +119,16 @@ except ValueError as e:
     except FileError:
         saved = None
     flags = saved and ', '.join(model_flags(saved, SimpleNamespace(**config)))  # ('' if it says none: no hint)
-    fail(str(e) + (f"; {previous[0]} is another model ({flags} in it): add those settings to resume it" if flags else ''))
+    fail(str(e) + (f"; {previous[0]} is another model ({flags} in it): add those settings to resume it"
+                   if flags else ''))
 world = os.environ.get('WORLD_SIZE', '1').strip() if 'RANK' in os.environ else '1'  # torchrun's processes
 datasets = sorted(d for d in os.listdir(DATA) if os.path.isfile(os.path.join(DATA, d, 'prepare.py'))
                   and d != 'mqar')  # (mqar: bench.py mqar's synthetic recall sequences, not a text to train on)
 for ok, message in (
         *[(ok, f"{key}={config[key]!r} must be {rule}") for key, ok, rule in (
             ('batch_size', batch_size >= 1, '>= 1'), ('max_iters', max_iters >= 0, '>= 0'),
-            ('learning_rate', learning_rate > 0, '> 0'), ('min_lr', 0 <= min_lr <= learning_rate, 'in [0, learning_rate]'),
+            ('learning_rate', learning_rate > 0, '> 0'),
+            ('min_lr', 0 <= min_lr <= learning_rate, 'in [0, learning_rate]'),
             ('eval_interval', eval_interval >= 1, '>= 1'), ('eval_iters', eval_iters >= 1, '>= 1'),
             ('log_interval', log_interval >= 1, '>= 1'),
             ('gradient_accumulation_steps', gradient_accumulation_steps >= 1, '>= 1'),
@@ -133,7 +136,8 @@ for ok, message in (
             ('weight_decay', weight_decay >= 0, '>= 0'), ('grad_clip', grad_clip >= 0, '>= 0 (0 = off)'),
             ('beta1', 0 <= beta1 < 1, 'in [0, 1)'), ('beta2', 0 <= beta2 < 1, 'in [0, 1)'),
             ('seed', 0 <= seed < 2 ** 62, 'in [0, 2**62)'))],
-        *[(abs(v) < 2 ** 62, f"{k}={v} is out of range (|value| < 2**62)") for k, v in config.items() if type(v) is int],
+        *[(abs(v) < 2 ** 62, f"{k}={v} is out of range (|value| < 2**62)")
+          for k, v in config.items() if type(v) is int],
         (not converting or os.path.isfile(os.path.join(init_from, 'ckpt.pt')),
          f"init_from={init_from!r} should be 'scratch', 'resume', or an out_dir with an MHA ckpt.pt to convert"),
         (not converting or os.path.realpath(init_from) != os.path.realpath(out_dir),
@@ -146,7 +150,8 @@ for ok, message in (
         (not (eval_only and init_from == 'scratch' and previous),
          f"eval_only=True would evaluate a new random model, not {(previous or [''])[0]}: add --init_from=resume"),
         (re.fullmatch(r'\w+', dataset) and dataset in datasets,  # (its prepare.py is run: none from elsewhere)
-         f"dataset={dataset!r} is unknown: give one of {datasets} (a folder of data/); your own text goes in --data_dir"),
+         f"dataset={dataset!r} is unknown: give one of {datasets} (a folder of data/); your own text goes in "
+         "--data_dir"),
         (not wandb_log or eval_only or wandb_project.strip(),  # (eval_only logs nothing)
          f"wandb_project={wandb_project!r} must name a W&B project"),
         (not data_dir or os.path.exists(os.path.join(data_dir, 'train.bin')),  # a typo: not another text
@@ -160,7 +165,8 @@ if ddp:
     try:
         dist.init_process_group(backend=backend or ('nccl' if device.startswith('cuda') else 'gloo'))
     except (ValueError, RuntimeError) as e:  # RANK set outside torchrun: no WORLD_SIZE, MASTER_ADDR, peers
-        fail(f"RANK={os.environ['RANK']} is set but no DDP group can be joined ({describe(e)}): use torchrun or unset it")
+        fail(f"RANK={os.environ['RANK']} is set but no DDP group can be joined ({describe(e)}): use torchrun or "
+             "unset it")
     ddp_rank, ddp_local_rank, ddp_world_size = dist.get_rank(), int(os.environ['LOCAL_RANK']), dist.get_world_size()
     if device.startswith('cuda'):
         device = f'cuda:{ddp_local_rank}'
@@ -230,7 +236,8 @@ if resuming:
         fail(f"{resume_path} is at iteration {iter_num}, past max_iters={max_iters}: nothing to train "
              f"(raise max_iters to continue, or --eval_only=True to evaluate it)")
     changes = changed(checkpoint, config)  # e.g. max_iters 200 -> 2000: a resume follows its own command line
-    print(f"resuming from {resume_path} at iteration {iter_num}" + (f"; changed: {', '.join(changes)}" if changes else ""))
+    print(f"resuming from {resume_path} at iteration {iter_num}"
+          + (f"; changed: {', '.join(changes)}" if changes else ""))
 block_size = gptconf.block_size  # (a converted model: its source's)
 tokens_per_iter = gradient_accumulation_steps * ddp_world_size * batch_size * block_size
 # memory, counted before anything is built: fp32 weights, gradients and AdamW's two moments (16 bytes a parameter),
@@ -245,8 +252,8 @@ model.to(device)
 scaler = torch.amp.GradScaler(device_type, enabled=(dtype == 'float16' and device_type == 'cuda'))
 decay = [p for p in model.parameters() if p.dim() >= 2]  # nanoGPT's AdamW: matmul weights and embeddings decay,
 nodecay = [p for p in model.parameters() if p.dim() < 2]  # biases and norms do not
-optimizer = torch.optim.AdamW([{'params': decay, 'weight_decay': weight_decay}, {'params': nodecay, 'weight_decay': 0.0}],
-                              lr=learning_rate, betas=(beta1, beta2), fused=device_type == 'cuda')
+groups = [{'params': decay, 'weight_decay': weight_decay}, {'params': nodecay, 'weight_decay': 0.0}]
+optimizer = torch.optim.AdamW(groups, lr=learning_rate, betas=(beta1, beta2), fused=device_type == 'cuda')
 try:  # weights or an optimizer state of another shape: one line
     if resuming:
         model.load_state_dict(weights(checkpoint))
@@ -270,12 +277,16 @@ cache_bytes_per_token = gptconf.cache_bytes(block_size, ptdtype) / block_size  #
 # model FLOPs utilization vs an A100's bf16 peak (312 TFLOPS): PaLM's 6N + 12 L H Q T FLOPs per token, as nanoGPT
 flops_per_token = 6 * raw_model.get_num_params() + 12 * gptconf.n_layer * gptconf.n_embd * block_size
 if master_process:  # the model in one line: layout, parameters, cache bytes per token, a hybrid's layers
-    layers = gptconf.layer_counts()  # (the pattern repeats over n_layer: its counts alone can mislead)
-    print(f"tokens per iteration will be: {tokens_per_iter:,}\n{gptconf.attn}: {raw_model.get_num_params() / 1e6:.2f}M "
-          f"parameters, cache {cache_bytes_per_token:,.0f} bytes/token at block_size {block_size} ({dtype})" +
-          " (a fixed state: the bytes shrink as the context grows)" * (not gptconf.softmax) +
-          (f"; layers: {', '.join(f'{a} x{n}' for a, n in layers.items())}" + f", in order {' '.join(gptconf.layouts)}"
-           * (gptconf.n_layer <= 16) + " (a fixed state in the linear ones)" * bool(gptconf.softmax)) * (len(layers) > 1))
+    line = (f"{gptconf.attn}: {raw_model.get_num_params() / 1e6:.2f}M parameters, cache {cache_bytes_per_token:,.0f} "
+            f"bytes/token at block_size {block_size} ({dtype})")
+    if not gptconf.softmax:
+        line += " (a fixed state: the bytes shrink as the context grows)"
+    layers = gptconf.layer_counts()
+    if len(layers) > 1:  # a hybrid: the pattern repeats over n_layer, so its counts alone can mislead
+        line += f"; layers: {', '.join(f'{a} x{n}' for a, n in layers.items())}"
+        line += f", in order {' '.join(gptconf.layouts)}" if gptconf.n_layer <= 16 else ""
+        line += " (a fixed state in the linear ones)" if gptconf.softmax else ""
+    print(f"tokens per iteration will be: {tokens_per_iter:,}\n{line}")
 
 
 @torch.no_grad()
@@ -331,7 +342,7 @@ X, Y = get_batch('train', rng(iter_num, 0))  # micro-batch 0 of iteration iter_n
 t0 = time.time()
 local_iter_num, running_mfu, stop = 0, -1.0, False
 step_time, eval_time = None, 0.0  # recent seconds per step and per evaluation (with its sample and save): the ETA
-ckpt_stale = resuming and os.path.basename(resume_path) == 'last.pt'  # ckpt.pt lacks the current weights (after any step)
+ckpt_stale = resuming and os.path.basename(resume_path) == 'last.pt'  # ckpt.pt lacks the current weights
 # each iteration: the lr; an evaluation (every eval_interval and at the end), saved if best; a stop if interrupted or
 # max_iters steps are done (max_iters steps in all, then a last evaluation); else one step and its log line
 while True:
@@ -354,7 +365,7 @@ while True:
         if not (math.isfinite(losses['train']) and math.isfinite(losses['val'])):  # never saved, whatever the flags
             fail(f"the evaluation at iteration {iter_num} gave a non-finite loss (train {losses['train']}, val "
                  f"{losses['val']}); stopped, {kept(out_dir)} (try a lower learning_rate)")
-        if (sample_every_eval or wandb_run.api) and decode:  # as `sample.py --seed=<seed + iteration>` samples the weights
+        if (sample_every_eval or wandb_run.api) and decode:  # as `sample.py --seed=<seed + iteration>` samples
             raw_model.eval()
             with ctx:
                 torch.manual_seed(seed + iter_num)  # a resumed run logs the same text (training reseeds below)
@@ -421,8 +432,9 @@ while True:
         measured = {'mfu': running_mfu * 100} if running_mfu >= 0 else {}  # nothing until it is measured
         evals_left = max_iters // eval_interval - iter_num // eval_interval + (max_iters % eval_interval > 0)
         eta = step_time and (max_iters - iter_num - 1) * step_time + evals_left * eval_time
-        print(f"iter {iter_num}/{max_iters}: loss {lossf:.4f}, time {dt * 1000:.2f}ms, {tokens_per_iter / dt:,.0f} tok/s" +
-              (f", mfu {measured['mfu']:.2f}%" if measured else "") + (f", ETA {duration(eta)}" if step_time else ""))
+        print(f"iter {iter_num}/{max_iters}: loss {lossf:.4f}, time {dt * 1000:.2f}ms, "
+              f"{tokens_per_iter / dt:,.0f} tok/s" + (f", mfu {measured['mfu']:.2f}%" if measured else "")
+              + (f", ETA {duration(eta)}" if step_time else ""))
         run.log({'iter': iter_num, 'train/batch_loss': lossf, 'lr': lr, 'ms_per_iter': dt * 1000,
                  'tokens_per_sec': tokens_per_iter / dt, **measured})
     iter_num += 1

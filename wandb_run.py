@@ -23,8 +23,9 @@ class WandB:
     keeps its row (for the checkpoint's table)."""
 
     def __init__(self, checkpoint, iter_num):
-        state = checkpoint.get('wandb') if isinstance(checkpoint.get('wandb'), dict) else {'id': checkpoint.get('wandb_id')}
-        kinds = {'id': str, 'name': str, 'config': dict, 'samples': list, 'step': int}  # a value of another kind: dropped
+        state = checkpoint.get('wandb')
+        state = state if isinstance(state, dict) else {'id': checkpoint.get('wandb_id')}
+        kinds = {'id': str, 'name': str, 'config': dict, 'samples': list, 'step': int}  # another kind: dropped
         state = {k: v for k, v in state.items() if isinstance(v, kinds.get(k, object)) and not isinstance(v, bool)}
         self.state = {**state, 'samples': [row for row in state.get('samples', []) if isinstance(row, list)
                                            and len(row) == 3 and type(row[0]) is int and row[0] < iter_num]}
@@ -34,7 +35,8 @@ class WandB:
     def start(self, train, cfg, summary, resumed_at=None):
         """The W&B run of train.py's config train and its model cfg (a GPTConfig; a conversion's too), named after the
         layout; summary: its params and cache_bytes_per_token. A resume's (resumed_at: its iteration) keeps its first
-        config, adding what train changed. wandb_mode '' = $WANDB_MODE, else online with credentials, offline without."""
+        config, adding what train changed. wandb_mode '' = $WANDB_MODE, else online with credentials, offline
+        without."""
         model_keys, attn, source = [f.name for f in fields(cfg)], train['attn'], train['init_from']
         origin = f"-from-{os.path.basename(os.path.normpath(source))}" if source not in ('scratch', 'resume') else ''
         name = train['wandb_run_name'] or self.state.get('name') or f"{attn}{origin}-{time.strftime('%Y%m%d-%H%M%S')}"
@@ -59,16 +61,16 @@ class WandB:
         except ImportError as e:
             fail(f"wandb_log=True needs wandb ({describe(e)}): pip install -r requirements.txt, or --wandb_log=False")
         try:
-            run = wandb.init(project=train['wandb_project'], name=state['name'], id=state['id'], resume='allow', mode=mode,
-                             config=state['config'])
+            run = wandb.init(project=train['wandb_project'], name=state['name'], id=state['id'], resume='allow',
+                             mode=mode, config=state['config'])
             run.summary.update(summary)
         except Exception as e:
             fail(f"W&B could not start ({describe(e)}); train without it (--wandb_log=False)"
                  + " or --wandb_mode=offline" * (mode != 'offline'))
         self.api, self.folder, self.mode = wandb, os.path.dirname(run.dir), mode
         folder = os.path.relpath(self.folder)
-        print(f"W&B run {state['name']} ({mode}) in {folder}" + (f"; upload it later with: wandb sync {folder}" + (
-            " (after the folders of the runs it resumes)" if resumed_at is not None else '') if mode == 'offline' else ''))
+        print(f"W&B run {state['name']} ({mode}) in {folder}" + (f"; upload it later with: wandb sync {folder}"
+              + " (after the folders of the runs it resumes)" * (resumed_at is not None) if mode == 'offline' else ''))
 
     def call(self, fn):
         """fn(wandb) with W&B on; one that fails (network, disk, permissions) stops W&B logging with one warning."""

@@ -57,7 +57,8 @@ def check_meta(meta):
     if meta.get('kind') == 'char':
         if not (isinstance(meta.get('itos'), list) and len(meta['itos']) == meta['vocab_size']
                 and all(isinstance(c, str) and len(c) == 1 for c in meta['itos'])):
-            raise ValueError(f"meta's itos should list vocab_size={meta['vocab_size']} characters (strings of length 1)")
+            raise ValueError(f"meta's itos should list vocab_size={meta['vocab_size']} characters (strings of "
+                             "length 1)")
     elif meta.get('kind') != 'tiktoken' or not isinstance(meta.get('encoding'), str):
         raise ValueError(f"meta's kind {meta.get('kind')!r} should be 'char' (with itos) or 'tiktoken' (with encoding)")
     return meta
@@ -108,7 +109,8 @@ def open_data(data_dir, block_size, remake, prepare=None):
         raise PrepareError(f"dataset in {data_dir} is missing or broken ({e}); prepare it anew: {remake}") from None
     for split, n in tokens.items():
         if n <= block_size:
-            raise PrepareError(f"{data_dir}/{split}.bin has {n:,} tokens, not more than block_size={block_size}: lower it")
+            raise PrepareError(f"{data_dir}/{split}.bin has {n:,} tokens, not more than block_size={block_size}: "
+                               "lower it")
     return meta
 
 
@@ -162,7 +164,8 @@ def cli(prepare, description):
     here = os.path.dirname(os.path.abspath(sys.argv[0]))
     p = Parser(prog=os.path.relpath(sys.argv[0]), description=description)  # as typed from here
     p.add_argument('--input', help=f'local input.txt (default: ${ENV}, else download)')
-    p.add_argument('--out_dir', default=here, help='where train.bin, val.bin, meta.json go (default: beside this script)')
+    p.add_argument('--out_dir', default=here,
+                   help='where train.bin, val.bin, meta.json go (default: beside this script)')
     args = p.parse_args()
     try:
         run_prepare(prepare, args.out_dir, args.input)

@@ -86,7 +86,8 @@ def main():
     p.add_argument('--pairs', type=pairs, default='4,8,16,24,32', help='numbers of pairs N (default: 4,8,16,24,32)')
     p.add_argument('--train', type=count, default=20000, help='training sequences per N (default: 20000)')
     p.add_argument('--val', type=count, default=500, help='validation sequences per N (default: 500)')
-    p.add_argument('--seed', type=checked(int, lambda v: v >= 0, "give an integer >= 0"), default=0, help='(default: 0)')
+    seed = checked(int, lambda v: v >= 0, "give an integer >= 0")
+    p.add_argument('--seed', type=seed, default=0, help='(default: 0)')
     p.add_argument('--out_dir', default=os.path.dirname(os.path.abspath(__file__)), help='(default: data/mqar)')
     args = p.parse_args()
     asked, before, settings = dict(pairs=args.pairs, train=args.train, val=args.val, seed=args.seed), None, \

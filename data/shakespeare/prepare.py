@@ -25,7 +25,8 @@ def prepare(out_dir, input_path=None, enc=None):
             enc = tiktoken.get_encoding('gpt2')
         except Exception as e:  # tiktoken raises plain exceptions when its download fails
             raise PrepareError(f"could not load tiktoken's 'gpt2' encoding ({type(e).__name__}); it is downloaded "
-                               "on first use: run once with a network, or set TIKTOKEN_CACHE_DIR to a cached copy") from None
+                               "on first use: run once with a network, or set TIKTOKEN_CACHE_DIR to a cached "
+                               "copy") from None
     train, val = split(text)
     save(out_dir, enc.encode_ordinary(train), enc.encode_ordinary(val),
          {'kind': 'tiktoken', 'encoding': enc.name, 'vocab_size': enc.n_vocab})

@@ -113,6 +113,9 @@ TRAIN_CASES = [
     (['--init_from=resume', '--out_dir=EXTRAKEY'], 'Unexpected key(s) in state_dict: "transformer.extra.weight"'),
     (['--init_from=resume', '--out_dir=NOOPTIM'], "no optimizer of the right kind in it: not a checkpoint of train.py"),
     (['--init_from=resume', '--attn=mla'], "is another model (--attn=mha in it); add those settings"),
+    (['--init_from=resume', '--attn=gqa'], "is another model (--attn=mha in it); add"),  # not n_kv_head: mha's own
+    (['--init_from=resume', '--attn=gqa', '--n_kv_head=1'], "is another model (--attn=mha, --n_kv_head=4 in it)"),
+    (['--init_from=resume', '--rope_head_dim=4'], "rope_head_dim=4 is invalid: no layer of attn='mha' uses it"),
     (['--init_from=resume', '--out_dir=CORRUPT'], "ckpt.pt: truncated or corrupted, not a whole torch.save file (5,000 bytes)"),
     (['--init_from=resume', '--learning_rate=1e12', '--grad_clip=0', '--max_iters=200', '--eval_interval=1000'],
      "loss is nan at iteration"),

@@ -95,7 +95,7 @@ def cache_report(layouts=LAYOUTS):
         model(torch.randint(0, cfg.vocab_size, (1, T)), cache=cache)
         state, formula = cfg.cache_elements(0), cfg.cache_bytes(T)
         per_token = cfg.cache_elements(1) - state
-        rows.append(f"| {name} | {cfg.n_kv_head if cfg.softmax in ('mha', 'gqa', 'mqa') else '—'} | {per_token:,} | "
+        rows.append(f"| {name} | {cfg.n_kv_head if 'n_kv_head' in cfg.used_fields() else '—'} | {per_token:,} | "
                     f"{cfg.cache_bytes(1, torch.float16) - cfg.cache_bytes(0, torch.float16):,} | {state:,} | "
                     f"{formula:,} | {cache.nbytes:,} | {cache.nbytes / formula:.3f} |")
     mla = GPTConfig(attn='mla')  # the sizes its layers get

@@ -61,10 +61,13 @@ def progress(what):
     print(f"[{time.time() - START:5.0f} s] {what}", file=sys.stderr, flush=True)
 
 def compile_options(device):
-    """fullgraph=True: one graph or an error, never a silent eager fallback; on CUDA, CUDA graphs too."""
+    """fullgraph=True: one graph or an error, never a silent eager fallback; on CUDA, CUDA graphs too. dynamic=False:
+    every model its own static graph (the same step code serves ten layouts: automatic dynamic shapes made a K/V head
+    count symbolic, and SDPA refused it), and room for them all before the recompile limit fails the run."""
     torch._dynamo.reset()
     torch._dynamo.config.fail_on_recompile_limit_hit = True
-    return dict(fullgraph=True, mode='reduce-overhead' if device.startswith('cuda') else None)
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+    return dict(fullgraph=True, dynamic=False, mode='reduce-overhead' if device.startswith('cuda') else None)
 
 def table(header, rows):  # markdown
     return "\n".join([f"| {' | '.join(header)} |", "|---" * len(header) + "|", *rows]) + "\n"
@@ -178,32 +181,44 @@ def train_report(args):
             "\n![val loss curves](train_val_loss.png)\n" + MORE +
             (step_time_vs_nanogpt(args.nanogpt, args.layouts) if args.nanogpt else ''))
 
-def step_time_vs_nanogpt(nanogpt_path, layouts=(), rounds=30, steps=10):
-    """The training step of nanoGPT's model.py at nanogpt_path, of our MHA and of each of layouts (config/NAME.py's
-    attn and MLP), the models taking turns: a table, with each step's ratio to nanoGPT's and to our MHA's."""
-    ng = runpy.run_path(nanogpt_path)  # its GPT, GPTConfig
-    sizes = dict(n_layer=4, n_head=4, n_embd=128, block_size=64, vocab_size=65, dropout=0.0, bias=False)
+CPU_PRESET = dict(n_layer=4, n_head=4, n_embd=128, block_size=64, batch=12)  # config/cpu.py's model and batch
+
+def step_time_vs_nanogpt(nanogpt_path, layouts=(), rounds=30, steps=10, device='cpu', dtype=torch.float32,
+                         sizes=CPU_PRESET, compile=False):
+    """The training step of nanoGPT's model.py at nanogpt_path (None: left out), of our MHA and of each of layouts
+    (config/NAME.py's attn and MLP), the models taking turns (compile: each also as a compiled copy, one graph): a
+    table, with each step's ratio to nanoGPT's and to our MHA's. dtype: autocast's, as train.py."""
+    sizes = dict(sizes)
+    batch, sizes = sizes.pop('batch'), {**sizes, 'vocab_size': 65, 'dropout': 0.0, 'bias': False}
     torch.manual_seed(0)
-    models = {"nanoGPT": ng['GPT'](ng['GPTConfig'](**sizes)),
-              "ours, mha, pos_emb='learned'": GPT(GPTConfig(attn='mha', pos_emb='learned', **sizes)),
-              "ours, mha, RoPE (default)": GPT(GPTConfig(attn='mha', **sizes))}
+    ng = runpy.run_path(nanogpt_path) if nanogpt_path is not None else {}  # its GPT, GPTConfig
+    models = {"nanoGPT": ng['GPT'](ng['GPTConfig'](**sizes))} if ng else {}
+    models |= {"ours, mha, pos_emb='learned'": GPT(GPTConfig(attn='mha', pos_emb='learned', **sizes)),
+               "ours, mha, RoPE (default)": GPT(GPTConfig(attn='mha', **sizes))}
     for name in (a for a in layouts if a != 'mha'):
         match = runpy.run_path(os.path.join('config', f'{name}.py')).get('match_mha_params', False)
         models[f"ours, {name}"] = GPT(GPTConfig(attn=LAYOUTS[name], match_mha_params=match, **sizes))
-    x, y = torch.randint(0, 65, (2, 12, 64))
+    models = {k: m.to(device) for k, m in models.items()}
+    if compile:  # a copy of each, compiled (its own weights and optimizer state)
+        options = compile_options(device) | {'mode': None}  # (no CUDA graphs: the step's optimizer is outside)
+        models |= {f"{k}, compiled": torch.compile(copy.deepcopy(m), **options) for k, m in list(models.items())}
+    x, y = torch.randint(0, 65, (2, batch, sizes['block_size']), device=device)
+    autocast = torch.autocast(device.split(':')[0], dtype=dtype, enabled=dtype != torch.float32)
 
     def train(model, opt):
         for _ in range(steps):
-            model(x, y)[1].backward()
+            with autocast:
+                loss = model(x, y)[1]
+            loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             opt.step()
             opt.zero_grad(set_to_none=True)
     opts = {k: torch.optim.AdamW(m.parameters(), lr=1e-3, betas=(0.9, 0.99), weight_decay=0.1)
             for k, m in models.items()}
-    times = take_turns({k: lambda k=k: train(models[k], opts[k]) for k in models}, 'cpu', rounds + 1)
-    ms = {k: [s / steps * 1000 for s in v[1:]] for k, v in times.items()}  # round 0: the warm-up
+    times = take_turns({k: lambda k=k: train(models[k], opts[k]) for k in models}, device, rounds + 1)
+    ms = {k: [s / steps * 1000 for s in v[1:]] for k, v in times.items()}  # round 0: the warm-up (compilation)
     ratios = lambda k, to: [a / b for a, b in zip(ms[k], ms[to])]  # each round's
-    ratio = lambda k, to: f"{statistics.median(ratios(k, to)):.3f}"
+    ratio = lambda k, to: f"{statistics.median(ratios(k, to)):.3f}" if to in ms else '—'
     mha = 'ours, mha, RoPE (default)'
     quartiles = lambda r: statistics.quantiles(r, n=4)[::2] if len(r) > 1 else r * 2  # (1 round: its own)
     spread = lambda k: '-'.join(f"{q:.2f}" for q in quartiles(ratios(k, mha)))  # the middle half of the rounds
@@ -382,6 +397,34 @@ def decode_report(args, sizes):
                    "16-token prompt, block 256, greedy** (the best of two runs each way):\n\n" +
                    generation(layouts, sizes, device, dtype, args.compile, new=args.gen_tokens))
 
+# --- gpu: the one report a lent GPU runs -----------------------------------------------------------------------
+
+def gpu_report(args, sizes):
+    """Every section a GPU session needs, each written to --out/gpu.md and printed as it finishes (a run stopped at
+    its time limit keeps what it measured): the decode roofline eager and compiled, generation at batch 1 eager and
+    compiled, the training step next to nanoGPT's eager and compiled, and fla's kernels against ours."""
+    device, dtype, sections = args.device, getattr(torch, args.dtype), []
+    gpu = torch.cuda.get_device_name(device) if device.startswith('cuda') else 'no GPU'
+
+    def section(title, text):
+        sections.append(f"**{title}**\n\n{text.strip()}\n")
+        write_atomic(os.path.join(args.out, 'gpu.md'), '\n'.join(sections))
+        print(sections[-1], flush=True)
+    section('The run', f"`{command(args, f'--batch={args.batch}', f'--t={args.t}')}` on {machine()}, {gpu}; model "
+            f"{sizes['n_layer']} layers, {sizes['n_head']} heads, n_embd {sizes['n_embd']}, {args.dtype}.")
+    section(f"Roofline of one decode step, batch {args.batch}, t={args.t}, eager and compiled", roofline_section(
+        *roofline(args.layouts, sizes, args.batch, [args.t], device, dtype, compile=True), args.batch, args.t,
+        os.path.join(args.out, 'roofline.png')))
+    section(f"Generation at batch 1, {args.gen_tokens} new tokens after 16, block 256, greedy", generation(
+        args.layouts, sizes, device, dtype, compile=True, new=args.gen_tokens, batches=(1,)))
+    section(f"Training step, block 256, batch {args.batch}, {args.dtype} autocast, eager and compiled",
+            step_time_vs_nanogpt(args.nanogpt, args.layouts, rounds=5, steps=5, device=device, dtype=dtype,
+                                 sizes={**sizes, 'block_size': 256, 'batch': args.batch}, compile=True)
+            + ("" if args.nanogpt is not None else "\n(no --nanogpt PATH given: nanoGPT's model.py not timed)"))
+    section("fla's kernels against ours", "Not measured: this code has no fla path yet (issue #44, part 2); our "
+            "linear_chunked and linear_step ran every linear layout above.")
+    return '\n'.join(sections)
+
 # --- mqar: associative recall against the number of pairs, what a fixed state can hold -----------------------
 
 def capacity(d_k, pairs, trials=50):
@@ -505,26 +548,29 @@ def main(argv=None):
     rates = listed(float, lambda v: 0 < v[0] and v[-1] < float('inf'), "give numbers > 0")
     gen_tokens = checked(int, lambda v: 1 <= v <= 240, "give 1 to 240 (block 256, prompt 16)")
     p = Parser(prog='bench.py', description=__doc__)
-    p.add_argument('mode', choices=['cache', 'train', 'decode', 'convert', 'mqar'])
+    p.add_argument('mode', choices=['cache', 'train', 'decode', 'convert', 'mqar', 'gpu'])
     p.add_argument('extra', nargs='*', default=[], help='train, convert: more --key=value for train.py, after --')
     only = dict(extra='train, convert', compile='decode')  # {option: the modes it is for}
     for modes, flag, default, kind, what in (  # '' = for every mode
-            ('cache, train, decode, mqar', 'layouts', ','.join(LAYOUTS), layouts, 'a comma-separated subset'),
-            ('', 'out', None, str, 'folder for runs, reports and plots (default: out-bench; with --readme: results)'),
-            ('train, decode', 'device', 'cpu', str, 'cpu or cuda[:N]; train on cuda runs the full baby-GPT recipe'),
+            ('cache, train, decode, mqar, gpu', 'layouts', ','.join(LAYOUTS), layouts, 'a comma-separated subset'),
+            ('', 'out', None, str, 'folder for runs, reports and plots (default: out-bench; with --readme: results; '
+             'gpu: results/gpu)'),
+            ('train, decode, gpu', 'device', 'cpu', str, 'cpu or cuda[:N]; train on cuda runs the full baby-GPT recipe; '
+             'gpu: cuda unless given'),
             ('train, convert, mqar', 'max_iters', None, count, "iterations (MHA's for convert): 2000, train on cuda 5000, mqar 3000"),
-            ('train', 'nanogpt', None, str, "nanoGPT's model.py, to time its step next to ours"),
+            ('train, gpu', 'nanogpt', None, str, "nanoGPT's model.py, to time its step next to ours"),
             ('convert', 'fractions', '0,0.01,0.025,0.05,0.1', fractions, 'uptraining, fractions of max_iters'),
             ('convert', 'lr', 1e-3, positive, 'peak learning rate of the uptraining'),
             ('mqar', 'lrs', None, rates, "peak learning rates, each layout's best kept (default: only each layout's "
              "best rate of an earlier sweep of 1e-3,3e-3, bench.py's MQAR_LR: half the runs)"),
-            ('decode', 'n_layer', 6, count, 'layers'), ('decode', 'n_head', 6, count, 'heads'),
-            ('decode', 'n_embd', 384, count, 'width'), ('decode', 'batch', 16, count, 'batch of the roofline'),
-            ('decode', 't', 2048, checked(int, lambda v: 1 <= v <= LONGEST, f"give an integer from 1 to {LONGEST:,}"),
-             'context of the roofline'),
+            ('decode, gpu', 'n_layer', 6, count, 'layers'), ('decode, gpu', 'n_head', 6, count, 'heads'),
+            ('decode, gpu', 'n_embd', 384, count, 'width'),
+            ('decode, gpu', 'batch', 16, count, 'batch of the roofline (gpu: 64 unless given; and of its training)'),
+            ('decode, gpu', 't', 2048, checked(int, lambda v: 1 <= v <= LONGEST,
+                                               f"give an integer from 1 to {LONGEST:,}"), 'context of the roofline'),
             ('decode', 'contexts', '64,128,256,512,1024,2048', contexts, 'the contexts of decode cost vs context'),
-            ('decode', 'gen_tokens', 240, gen_tokens, 'new tokens of the generation table'),
-            ('decode', 'dtype', 'float32', str, 'float32, bfloat16 or float16')):
+            ('decode, gpu', 'gen_tokens', 240, gen_tokens, 'new tokens of the generation table'),
+            ('decode, gpu', 'dtype', 'float32', str, 'float32, bfloat16 or float16 (gpu: bfloat16 unless given)')):
         only[flag] = modes
         p.add_argument(f'--{flag}', default=default, type=kind,
                        help=f"{modes}: " * bool(modes) + what + f" (default: {default})" * bool(default))
@@ -546,7 +592,11 @@ def main(argv=None):
     if args.out == '' or args.readme and args.out is not None and os.path.normpath(args.out) != 'results':
         p.error(f"--out={args.out!r}: " + ("with --readme: the README links to results/, where --readme writes"
                                             if args.out else "give a folder to write the results in"))
-    args.out = 'results' if args.readme else args.out or 'out-bench'  # results/: what the README shows
+    given = {a.split('=')[0] for a in (sys.argv[1:] if argv is None else argv) if a.startswith('--')}
+    if args.mode == 'gpu':  # its own settings, unless given: a lent GPU runs `python bench.py gpu` as it is
+        for key, value in dict(device='cuda', batch=64, dtype='bfloat16').items():
+            setattr(args, key, getattr(args, key) if f'--{key}' in given else value)
+    args.out = 'results' if args.readme else args.out or ('results/gpu' if args.mode == 'gpu' else 'out-bench')
     args.layouts = [a for a in LAYOUTS if a in args.layouts]  # in the usual order
     cuda_train = args.mode == 'train' and args.device != 'cpu'
     args.max_iters = args.max_iters or {'mqar': 3000}.get(args.mode, 5000 if cuda_train else 2000)
@@ -563,9 +613,10 @@ def main(argv=None):
     start, end = f"<!-- {args.mode}-table -->", f"<!-- /{args.mode}-table -->"
     try:
         dtype = getattr(torch, args.dtype)
-        cfgs = [GPTConfig(attn=LAYOUTS[a], **sizes) for a in args.layouts] if args.mode == 'decode' else []
+        cfgs = [GPTConfig(attn=LAYOUTS[a], **sizes) for a in args.layouts] if args.mode in ('decode', 'gpu') else []
         need = sum(num_params(c) for c in cfgs) * dtype.itemsize  # counted, nothing built; all the models at once
-        need += max(sum(c.cache_bytes(args.t + 1, dtype) * args.batch * (1 + args.compile) for c in cfgs) +
+        compiled = args.compile or args.mode == 'gpu'
+        need += max(sum(c.cache_bytes(args.t + 1, dtype) * args.batch * (1 + compiled) for c in cfgs) +
                     8 * args.batch * (args.t + 1) * len(cfgs),  # the caches, and the token ids
                     sum(c.cache_bytes(max(args.contexts) + 1, dtype) * len(args.contexts) for c in cfgs) +  # full buffers
                     ('mla' in [c.softmax for c in cfgs]) * max(args.contexts) ** 2 * args.n_head * 4)  # MLA's uncached scores
@@ -585,12 +636,13 @@ def main(argv=None):
     torch.manual_seed(0)
     report = {'cache': lambda: cache_report(args.layouts), 'train': lambda: train_report(args),
               'decode': lambda: decode_report(args, sizes), 'convert': lambda: convert_report(args),
-              'mqar': lambda: mqar_report(args)}[args.mode]()
+              'mqar': lambda: mqar_report(args), 'gpu': lambda: gpu_report(args, sizes)}[args.mode]()
     try:  # each file whole or not at all: a full disk leaves the old one
         for save in PLOTS:
             save()
         write_atomic(os.path.join(args.out, f'{args.mode}.md'), report)
-        print(report.replace(MORE, '\n'))  # (the README's marker is for the file)
+        if args.mode != 'gpu':  # (gpu printed each section as it finished)
+            print(report.replace(MORE, '\n'))  # (the README's marker is for the file)
         if args.readme:
             head, rest = open('README.md').read().split(start, 1)  # read again: it may have been edited meanwhile
             write_atomic('README.md', head + start + "\n" + readme_section(args.mode, report, args.out) + end +

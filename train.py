@@ -91,7 +91,7 @@ min_lr = 1e-4                   # the learning rate at and after lr_decay_iters
 # system
 device = 'cuda' if torch.cuda.is_available() else 'cpu'  # cpu, cuda or cuda:N
 dtype = ('bfloat16' if torch.cuda.is_bf16_supported() else 'float16') if torch.cuda.is_available() else 'float32'  # autocast
-compile = False                 # torch.compile the model
+compile = True                  # torch.compile the model, one graph (on a CPU only if given: minutes there)
 backend = ''                    # '' = nccl on CUDA, gloo on CPU
 seed = 1337                     # every random draw of training is a function of (seed, rank, iteration)
 # -----------------------------------------------------------------------------
@@ -100,6 +100,8 @@ memory_errors_in_one_line()
 on_closed_output(interrupts)  # `| head`, a closed terminal: an interrupt
 given = {}  # the keys a config file or flag set: what set each last
 config = configure({k: globals()[k] for k in config_keys}, sys.argv[1:], __file__, given)
+if 'compile' not in given and not device.startswith('cuda'):  # as nanoGPT on a GPU; compiling on a CPU takes minutes
+    config['compile'] = False
 globals().update(config)
 # -----------------------------------------------------------------------------
 # the flags checked before any work (the data, a resume, a conversion: once read): one line and exit 2
@@ -267,9 +269,9 @@ except (RuntimeError, ValueError, KeyError, TypeError, AttributeError) as e:  # 
 wandb_run = run.wandb = WandB(checkpoint, iter_num)  # a resume continues its W&B run; run.log forwards rows to it
 checkpoint = converted = None  # free up memory
 raw_model = model
-if compile:
-    print("compiling the model: the first iteration is slow (minutes on a CPU)", flush=True)
-    model = torch.compile(model)
+if compile:  # fullgraph: one graph for every layout, or an error (never a silent fallback to eager pieces)
+    print("compiling the model (torch.compile, fullgraph): the first iteration waits for it", flush=True)
+    model = torch.compile(model, fullgraph=True)
 if ddp:
     # no buffer sync at each forward: the model has no buffers (RoPE is computed per forward)
     model = DDP(model, device_ids=[ddp_local_rank] if device_type == 'cuda' else None, forward_sync_buffers=False)

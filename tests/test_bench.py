@@ -320,3 +320,27 @@ def test_capacity_of_an_untrained_state():
     assert all(recall[r, 4] > 0.99 for r in rules)
     rules, recall = bench_module.capacity(16, [64])
     assert recall['accumulate (linear)', 64] < 0.6
+
+
+def test_bench_gpu_needs_a_gpu_or_says_so():
+    """`python bench.py gpu` is the one command a lent GPU runs: CUDA by default, one line where there is none."""
+    r = subprocess.run([sys.executable, 'bench.py', 'gpu'], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and r.stderr.strip().splitlines() == [
+        "error: device='cuda' but CUDA is not available here; use --device=cpu"], r.stderr
+
+
+@pytest.mark.slow
+def test_bench_gpu_report_writes_each_section(tmp_path):
+    """The GPU report on a CPU at toy sizes: every section in --out/gpu.md, the compiled columns beside eager, the
+    same greedy tokens every way."""
+    r = subprocess.run([sys.executable, 'bench.py', 'gpu', '--device=cpu', '--dtype=float32', '--layouts=mha,linear',
+                        '--n_layer=1', '--n_head=2', '--n_embd=16', '--batch=1', '--t=8', '--gen_tokens=2',
+                        f'--out={tmp_path}', f"--nanogpt={os.path.join(ROOT, 'model.py')}"], cwd=ROOT,
+                       capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, r.stderr[-3000:]
+    report = open(tmp_path / 'gpu.md').read()
+    for title in ('The run', 'Roofline of one decode step', 'Generation at batch 1', 'Training step', "fla's kernels"):
+        assert f"**{title}" in report and f"**{title}" in r.stdout, title  # printed as it finished, and kept
+    assert 'compiled % of floor' in report and '| nanoGPT, compiled |' in report and '| ours, linear, compiled |' in report
+    assert re.search(r"^\| linear \| 1 \|.* \| yes \| yes \|$", report, re.M)
+    assert os.path.isfile(tmp_path / 'roofline.png')

@@ -35,10 +35,7 @@ class Interrupts:
             self.stop()
 
     def stop(self):
-        try:  # os.write, not print: a handler may run inside a print
-            os.write(2, f"error: interrupted before training started; {self.discard()}\n".encode())
-        except OSError:
-            pass
+        say(f"error: interrupted before training started; {self.discard()}")
         os._exit(130)
 
     @contextmanager
@@ -51,14 +48,19 @@ class Interrupts:
             self.stop()
 
 
+def say(line):
+    """One line on stderr from a signal handler: os.write, not print (the handler may run inside a print)."""
+    try:
+        os.write(2, f"{line}\n".encode())
+    except OSError:
+        pass
+
+
 def exit_on_signals():
     """SIGTERM and SIGHUP end the process with one line and a SystemExit (exit 128 + N): finally blocks still remove
     temp files."""
     def stop(signum, frame):
-        try:  # os.write, not print: the handler may run inside a print
-            os.write(2, f"error: stopped by {signal.Signals(signum).name}\n".encode())
-        except OSError:
-            pass
+        say(f"error: stopped by {signal.Signals(signum).name}")
         sys.exit(128 + signum)
     for name in ('SIGTERM', 'SIGHUP'):
         if hasattr(signal, name):

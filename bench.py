@@ -38,8 +38,8 @@ from configurator import Parser, check_device, check_memory, checked, describe, 
 from data.mqar.prepare import VALUES, VOCAB, prepare
 from interrupts import memory_errors_in_one_line
 from timing import generate_in_turns, take_turns
-from linear import linear_chunked
-from model import ATTN_LAYOUTS, GPT, GPTConfig, num_params
+from linear import fla_runs, linear_chunked, linear_fla
+from model import ATTN_LAYOUTS, GPT, GPTConfig, LINEAR_RULES, num_params
 
 os.environ.setdefault('KINETO_LOG_LEVEL', '6')  # no 'USDT: profiler_start' lines (inductor profiles GPU kernels)
 START = time.time()
@@ -421,9 +421,40 @@ def gpu_report(args, sizes):
             step_time_vs_nanogpt(args.nanogpt, args.layouts, rounds=5, steps=5, device=device, dtype=dtype,
                                  sizes={**sizes, 'block_size': 256, 'batch': args.batch}, compile=True)
             + ("" if args.nanogpt is not None else "\n(no --nanogpt PATH given: nanoGPT's model.py not timed)"))
-    section("fla's kernels against ours", "Not measured: this code has no fla path yet (issue #44, part 2); our "
-            "linear_chunked and linear_step ran every linear layout above.")
+    section(f"fla's kernels against ours, forward + backward, batch {args.batch}, 256 tokens, float32 inputs",
+            fla_vs_ours(args.layouts, sizes, args.batch, device))
     return '\n'.join(sections)
+
+def fla_vs_ours(layouts, sizes, batch, device, T=256, rounds=10):
+    """Each linear rule's update, forward and backward, on fla's kernels (linear_fla) and on ours (linear_chunked),
+    taking turns, from the inputs LinearAttention feeds them: ms, and the largest difference of output and gradients.
+    Where fla cannot run, one line that says so (the sections above then ran ours)."""
+    if not fla_runs(torch.empty(0, device=device)):
+        return f"Not measured: fla (requirements-gpu.txt) is not installed, or Triton does not run on {device}."
+    H, d, rows = sizes['n_head'], sizes['n_embd'] // sizes['n_head'], []
+    for layout in (a for a in layouts if a in LINEAR_RULES):
+        forget, delta = LINEAR_RULES[layout]
+        gen = torch.Generator(device).manual_seed(0)
+        rand = lambda *shape: torch.randn(*shape, device=device, generator=gen)
+        unit = lambda x: torch.nn.functional.normalize(x, dim=-1)
+        q, k = (rand(batch, H, T, d).sigmoid() for _ in 'qk') if layout == 'linear' else (  # (phi's: > 0)
+            unit(rand(batch, H, T, d)) * d ** -0.5, unit(rand(batch, H, T, d)))
+        v = torch.cat([rand(batch, H, T, d), torch.ones(batch, H, T, 1, device=device)], -1) if layout == 'linear' \
+            else rand(batch, H, T, d)
+        g = -rand(batch, H, T).abs() if forget else None
+        beta = rand(batch, H, T).sigmoid() if delta else torch.ones(batch, H, T, device=device)
+        xs = [x.requires_grad_() for x in (q, k, v, g, beta) if x is not None]
+        do, out = rand(*v.shape), {}
+
+        def run(name, f):
+            y = f(q, k, v, g, beta, None, delta, *([64] if f is linear_chunked else []), keep_state=False)[0]
+            out[name] = [y, *torch.autograd.grad(y, xs, do, allow_unused=True)]
+        times = take_turns({name: lambda name=name, f=f: run(name, f)
+                            for name, f in (('ours', linear_chunked), ('fla', linear_fla))}, device, rounds + 1)
+        ms = {name: statistics.median(t[1:]) * 1000 for name, t in times.items()}  # round 0: the warm-up
+        diff = max((a - b).abs().max().item() for a, b in zip(out['ours'], out['fla']) if a is not None)
+        rows.append(f"| {layout} | {ms['ours']:.2f} | {ms['fla']:.2f} | {ms['ours'] / ms['fla']:.1f}x | {diff:.1e} |")
+    return table(['layout', 'ours, ms', 'fla, ms', 'fla faster by', 'largest difference (output, gradients)'], rows)
 
 # --- mqar: associative recall against the number of pairs, what a fixed state can hold -----------------------
 

@@ -214,8 +214,9 @@ def resume_state(out_dir, device, meta, asked, data_dir):
         fail(f"{path} was trained on another vocabulary ({saved.vocab_size} tokens) than the data in {data_dir} "
              f"({asked.vocab_size}{', other ones' * (saved.vocab_size == asked.vocab_size)}); resume with its "
              f"--dataset / --data_dir or change out_dir")
-    same = dict(chunk_size=asked.chunk_size, attn=asked.attn if saved.layouts == asked.layouts else saved.attn)
-    differ = model_flags(replace(saved, **same), asked)  # chunks of any size, a stack spelled otherwise: same weights
+    same = dict(chunk_size=asked.chunk_size, linear_kernels=asked.linear_kernels,  # how it computes: same weights
+                attn=asked.attn if saved.layouts == asked.layouts else saved.attn)  # (and a stack spelled otherwise)
+    differ = model_flags(replace(saved, **same), asked)
     if differ:
         fail(f"{path} is another model ({', '.join(differ)} in it); add those settings to resume it, or change out_dir")
     return path, ckpt

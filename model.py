@@ -15,7 +15,7 @@ import torch.nn as nn
 from torch.nn import functional as F
 
 from cache import Cache, LayerCache
-from linear import ShortConv, l2norm, linear_chunked, linear_step, phi
+from linear import ShortConv, fla_runs, l2norm, linear_chunked, linear_fla, linear_step, phi
 from softmax import apply_rope, attend, rope_table
 
 # The linear layouts, the founding chapter's table: each keeps a fixed state S per head and rewrites it every token,
@@ -47,6 +47,7 @@ class GPTConfig:
     rope_head_dim: int = 0     # MLA d_R, the decoupled rope query/key; 0 = head_dim / 2 (even, >= 2)
     q_lora_rank: int = 0       # MLA query compression; 0 = off (as DeepSeek-V2-Lite)
     chunk_size: int = 64       # linear layouts: chunk of the chunkwise-parallel training form
+    linear_kernels: str = 'fla'  # linear layouts: fla's Triton kernels where they run (CUDA, fla installed), or 'torch'
     conv_size: int = 4         # linear layouts but 'linear': a causal depthwise conv on q, k, v over this many tokens
     match_mha_params: bool = False  # widen/narrow the MLP so the model has MHA's parameter count
 
@@ -67,6 +68,8 @@ class GPTConfig:
             self.bad('rope_base', "must be a finite number > 0")
         if self.pos_emb not in ('rope', 'learned'):
             self.bad('pos_emb', "must be 'rope' or 'learned'")
+        if self.linear_kernels not in ('fla', 'torch'):
+            self.bad('linear_kernels', "must be 'fla' (where they run, else ours) or 'torch' (ours)")
         if self.n_embd % self.n_head:
             self.bad('n_embd', f"must be divisible by n_head={self.n_head}")
         layouts = set(self.pattern())
@@ -120,7 +123,8 @@ class GPTConfig:
         """The fields this stack's layers use (the others keep their defaults: nothing reads them)."""
         used = {f for a in set(self.pattern()) for f in LAYOUTS[a].uses(a)}
         used |= {'rope_base'} if self.pos_emb == 'rope' and self.softmax else set()
-        return [f.name for f in fields(self) if f.name not in {*LAYER_FIELDS, 'chunk_size', 'rope_base'} - used]
+        linear_only = {*LAYER_FIELDS, 'chunk_size', 'linear_kernels', 'rope_base'}
+        return [f.name for f in fields(self) if f.name not in linear_only - used]
 
     def cache_elements(self, T, layout=None):
         """Elements a cache holds after T tokens (batch 1): the table of the README; all layers, or one layout's."""
@@ -202,7 +206,7 @@ class LinearAttention(Attention):
 
     @staticmethod
     def uses(layout):  # 'linear' has no short conv
-        return ('chunk_size',) if layout == 'linear' else ('chunk_size', 'conv_size')
+        return ('chunk_size', 'linear_kernels') + ('conv_size',) * (layout != 'linear')
 
     @staticmethod
     def cache_elements(c, layout, T):  # a state (d_k, d_v) per head whatever T, + z ('linear') or the conv's inputs
@@ -245,8 +249,12 @@ class LinearAttention(Attention):
             else:
                 q, k = l2norm(q) * self.head_dim ** -0.5, l2norm(k)
             g, beta = self.knob(parts, B, L, f32)                                      # (B, nh, L) each
-            y, new_S = (linear_step(q, k, v, g, beta, S, self.delta) if L == 1 and S is not None else  # decode
-                        linear_chunked(q, k, v, g, beta, S, self.delta, self.config.chunk_size, S is not None))
+            if self.config.linear_kernels == 'fla' and fla_runs(q):  # the same update on fla's Triton kernels
+                y, new_S = linear_fla(q, k, v, g, beta, S, self.delta, S is not None)
+            elif L == 1 and S is not None:  # decode
+                y, new_S = linear_step(q, k, v, g, beta, S, self.delta)
+            else:
+                y, new_S = linear_chunked(q, k, v, g, beta, S, self.delta, self.config.chunk_size, S is not None)
         if cache is not None:  # in place: the buffers keep their addresses (CUDA graphs)
             S.copy_(new_S)
             if not self.normalizer:

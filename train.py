@@ -75,6 +75,7 @@ kv_lora_rank = 0                # MLA d_c; 0 = 4 * head_dim (DeepSeek-V2's ratio
 rope_head_dim = 0               # MLA d_R; 0 = head_dim / 2
 q_lora_rank = 0                 # MLA query compression; 0 = off
 chunk_size = 64                 # the linear layouts: chunk of the chunkwise training form
+linear_kernels = 'fla'          # the linear layouts: fla's Triton kernels on CUDA if installed, or 'torch': ours
 conv_size = 4                   # the linear layouts but 'linear': the short causal conv's width on q, k, v
 match_mha_params = False        # widen/narrow the MLP to MHA's parameter count
 # AdamW and the learning-rate schedule (linear warmup, cosine decay to min_lr)

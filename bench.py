@@ -272,6 +272,7 @@ def convert_report(args):
 ROUNDS = 15  # of every decode timing: each round runs every step once
 
 @torch.inference_mode()
+@torch.no_grad()  # (a static cache's FlexAttention has no backward on a CPU)
 def roofline(layouts, sizes, batch, contexts, device, dtype, compile=False, uncached=False, rounds=ROUNDS, chunk=512):
     """A cached decode step per layout and context t, eager (and compiled; and uncached: the forward over the t + 1
     tokens that the step spares), taking turns with the floors' large copy and large product."""
@@ -292,10 +293,12 @@ def roofline(layouts, sizes, batch, contexts, device, dtype, compile=False, unca
                     if (i // chunk + 1) % 64 == 0:  # a long context's prefill takes minutes: say where it is
                         progress(f"{attn}, {kind}: prefilled {min(i + chunk, t):,} of {t:,} tokens")
 
-                def step(model=model, token=idx[:, t:t + 1], cache=cache, t=t):  # the token at t again: the same work
-                    cache.pos = cache.pos.fill_(t) if torch.is_tensor(cache.pos) else t  # (in place for a static cache)
-                    return model(token, cache=cache)[0]
-                fns[attn, t, kind] = torch.compile(step, **options) if kind == 'compiled' else step
+                net = torch.compile(model, **options) if kind == 'compiled' else model
+
+                def step(net=net, token=idx[:, t:t + 1], cache=cache, t=t):  # the token at t again: the same work
+                    cache.pos = cache.pos.fill_(t) if torch.is_tensor(cache.pos) else t  # (in place; not in the graph:
+                    return net(token, cache=cache)[0]                                 # there the mask reads an input)
+                fns[attn, t, kind] = step
                 if kind == 'eager':  # what one step computes (on SDPA's math backend: the counter sees no fused
                     counter = FlopCounterMode(display=False)
                     with patch('softmax.DECODE_BACKENDS', math), sdpa_kernel(math), counter as fc:

@@ -5,13 +5,15 @@ The cache, a small object with a clear protocol (as gpt-fast's): GPT.init_cache(
     logits, _ = model(idx, cache=cache)           # L >= 1 new tokens at positions len(cache)...; logits (B, L, vocab)
     len(cache), cache.nbytes                      # tokens seen; bytes held for them (the filled part)
     cache.reset()                                 # empty again, buffers kept
-    cache = model.init_cache(batch_size, static=True)  # fixed shapes: torch.compile, CUDA graphs
+    cache = model.init_cache(batch_size, static=True)  # fixed shapes: torch.compile, CUDA graphs; under no_grad
 
 Each layer's LayerCache holds K and V, MLA's latent, or a linear layout's fixed state (a hybrid mixes them). With
 static=True the position is a device tensor, writes go through index_copy_ and every step attends over the whole
-buffer under a mask of the filled positions: one compiled graph serves every step.
+buffer under a mask of the filled blocks (FlexAttention): one compiled graph serves every step, reading the filled.
 """
 import torch
+
+from softmax import filled
 
 
 class LayerCache:
@@ -22,17 +24,16 @@ class LayerCache:
         self.grows = grows  # along time (dim 2); a state does not
 
     def update(self, pos, *xs):
-        """Write xs (B, heads, L, dim) at [pos, pos + L); return the buffers to attend to and their (L, S) mask:
-        an int pos gives the filled part (mask None: causal), a tensor pos the whole buffers, unfilled masked."""
+        """Write xs (B, heads, L, dim) at [pos, pos + L); return the buffers to attend to and their mask: an int pos
+        gives the filled part (mask None: causal), a tensor pos the whole buffers and a BlockMask of the filled part."""
         L = xs[0].size(2)
         if not torch.is_tensor(pos):
             for buf, x in zip(self.bufs, xs):
                 buf[:, :, pos:pos + L] = x
             return *[buf[:, :, :pos + L] for buf in self.bufs], None
-        positions = pos + torch.arange(L, device=pos.device)
         for buf, x in zip(self.bufs, xs):
-            buf.index_copy_(2, positions, x)
-        return *self.bufs, torch.arange(self.bufs[0].size(2), device=pos.device) <= positions[:, None]
+            buf.index_copy_(2, pos + torch.arange(L, device=pos.device), x)
+        return *self.bufs, filled(pos, L, self.bufs[0].size(2))
 
 class Cache:
     """Every layer's cache and the position GPT.forward advances: an int, or (static=True) a device tensor."""

@@ -2,10 +2,13 @@
 Softmax attention's maths, as plain functions: RoPE, and the one causal attention call with its masks. Training and
 prefill feed L = S = T tokens; decode feeds L = 1 token that attends to S = T + 1 keys. A mask for L != S is
 right-aligned (query i sees keys <= S - L + i): SDPA's is_causal=True aligns top-left, so it is used only when L == S.
+A static cache (fixed shapes: torch.compile, CUDA graphs) attends through FlexAttention, which reads only the filled
+blocks of keys and splits them across the GPU (flash-decoding).
 """
 import torch
 from torch.nn import functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
 
 def rope_table(dim, positions, base):
@@ -27,10 +30,23 @@ def apply_rope(x, rope):
 # decode: never cuDNN attention, which plans per key length (a cached H200 step 10x slower than no cache)
 DECODE_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
+def filled(pos, L, S, block=128):
+    """A static cache's mask: L queries at positions pos, pos + 1, ... (a tensor) over its S-long buffers, query i
+    seeing keys <= pos + i. Only the blocks of keys up to the last query's are listed: the others are never read."""
+    q_blocks = torch.arange(-(-L // block), device=pos.device)
+    last_key = pos + ((q_blocks + 1) * block).clamp(max=L) - 1                   # each block of queries' last key
+    listed = (last_key // block + 1).to(torch.int32)[None, None]                 # (1, 1, q blocks): blocks read
+    blocks = torch.arange(-(-S // block), dtype=torch.int32, device=pos.device).expand(1, 1, len(q_blocks), -1)
+    return BlockMask.from_kv_blocks(listed, blocks, BLOCK_SIZE=block, mask_mod=lambda b, h, i, j: j <= pos + i,
+                                    seq_lengths=(L, S), compute_q_blocks=False)
+
 def attend(q, k, v, scale=None, dropout_p=0.0, mask=None):
     """softmax(q kᵀ * scale + mask) v. q (B, nh, L, d), k (B, n_kv, S, d), v (B, n_kv, S, dv); n_kv divides nh
-    (groups share a K/V head). mask (L, S), True = seen; None = causal with the L queries the LAST L of the S keys."""
+    (groups share a K/V head). mask (L, S), True = seen; None = causal with the L queries the LAST L of the S keys;
+    or a static cache's BlockMask (filled())."""
     (B, H, L, D), (H_kv, S) = q.shape, k.shape[1:3]
+    if isinstance(mask, BlockMask):  # split-KV over the filled blocks; compiled, one fused kernel (eager: reference)
+        return flex_attention(q, k, v, scale=scale, block_mask=mask, enable_gqa=H != H_kv)
     if mask is None and L == S:  # training, or a prefill into an empty cache: is_causal's top-left mask is right here
         return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True, scale=scale,
                                               enable_gqa=H != H_kv)

@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from softmax import attend
+from softmax import attend, filled
 
 B, H, H_KV, D = 2, 4, 2, 8
 SHAPES = [(6, 6), (1, 9), (3, 7)]  # (L, S): prefill, decode, a chunk after a prefill
@@ -87,11 +87,18 @@ CHECKS = {
 }
 
 
+def static_attend(q, k, v, scale=None):
+    """attend as a static cache calls it: the L queries the last of S filled positions, FlexAttention's BlockMask."""
+    L, S = q.size(2), k.size(2)
+    return attend(q, k, v, scale, mask=filled(torch.tensor(S - L), L, S))
+
+
 @pytest.mark.parametrize('L,S', SHAPES)
 @pytest.mark.parametrize('check', [rows_sum_to_one, masked_exactly_where_right_aligned, scaled_by_sqrt_d,
                                    returns_a_times_v], ids=lambda f: f.__name__)
-def test_attend_has_the_property(check, L, S):
-    assert check(attend, L, S)
+@pytest.mark.parametrize('fn', [attend, static_attend], ids=['attend', 'static'])
+def test_attend_has_the_property(fn, check, L, S):
+    assert check(fn, L, S)
 
 
 @pytest.mark.parametrize('bug', list(BUGS))
@@ -102,11 +109,25 @@ def test_check_rejects_the_bug(bug):
 
 
 @pytest.mark.parametrize('L,S', SHAPES)
-def test_attend_equals_naive_reference(L, S):
+@pytest.mark.parametrize('fn', [attend, static_attend], ids=['attend', 'static'])
+def test_attend_equals_naive_reference(fn, L, S):
     q, k, v = inputs(L, S, seed=1)
-    torch.testing.assert_close(attend(q, k, v), reference(q, k, v), atol=1e-12, rtol=0)
-    torch.testing.assert_close(attend(q, k, v, scale=0.3), reference(q * 0.3 * math.sqrt(D), k, v),
+    torch.testing.assert_close(fn(q, k, v), reference(q, k, v), atol=1e-12, rtol=0)
+    torch.testing.assert_close(fn(q, k, v, scale=0.3), reference(q * 0.3 * math.sqrt(D), k, v),
                                atol=1e-12, rtol=0)
+
+
+@pytest.mark.parametrize('L', [1, 130])
+def test_static_cache_never_reads_the_blocks_past_its_last_query(L):
+    """Compiled, a static cache's attention reads only its filled part: with NaN in every block of keys and values
+    past the one holding the last query's position, the output is still the attention over the filled keys."""
+    pos, S = 140, 600  # the last query at 140 + L - 1: block 1 (or 2); blocks 3 and 4 must stay unread
+    q, k, v = (x.float() for x in inputs(L, S, seed=3))  # (compiled flex on a CPU: float32 at most)
+    first_unread = (pos + L - 1) // 128 * 128 + 128
+    k[:, :, first_unread:], v[:, :, first_unread:] = float('nan'), float('nan')
+    out = torch.compile(attend, fullgraph=True)(q, k, v, mask=filled(torch.tensor(pos), L, S))  # (eager: dense)
+    filled_keys = pos + L
+    torch.testing.assert_close(out, reference(q, k[:, :, :filled_keys], v[:, :, :filled_keys]), atol=1e-5, rtol=0)
 
 
 @pytest.mark.parametrize('L,S', SHAPES)

@@ -16,6 +16,7 @@ VARIANTS = [dict(attn=a) for a in EVERY] + [
 IDS = ['-'.join(f'{k}={v}' for k, v in d.items()) for d in VARIANTS]
 
 
+@torch.no_grad()  # generation: a static cache's FlexAttention has no backward on a CPU
 def cached_logits(model, idx, chunks, static=False):
     cache = model.init_cache(idx.size(0), static=static)
     out, pos = [], 0
@@ -51,8 +52,9 @@ def test_eager_cache_attends_to_t_keys_static_to_capacity(attn, monkeypatch):
     for static in (False, True):
         seen.clear()
         cache = model.init_cache(1, static=static)
-        for t in range(8):
-            model(idx[:, t:t + 1], cache=cache)
+        with torch.no_grad():
+            for t in range(8):
+                model(idx[:, t:t + 1], cache=cache)
         softmax_layers = sum(a not in LINEAR_RULES for a in model.config.layouts)  # linear layers: a state, no attend
         per_layer = [32] * 8 if static else list(range(1, 9))
         assert seen == [s for s in per_layer for _ in range(softmax_layers)]

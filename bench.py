@@ -424,9 +424,38 @@ def gpu_report(args, sizes):
             step_time_vs_nanogpt(args.nanogpt, args.layouts, rounds=5, steps=5, device=device, dtype=dtype,
                                  sizes={**sizes, 'block_size': 256, 'batch': args.batch}, compile=True)
             + ("" if args.nanogpt is not None else "\n(no --nanogpt PATH given: nanoGPT's model.py not timed)"))
+    section(f"Where an eager decode step's time goes, batch {args.batch}, t={args.t} (torch.profiler, 5 steps)",
+            decode_profile([a for a in args.layouts if a not in LINEAR_RULES], sizes, args.batch, args.t, device, dtype))
     section(f"fla's kernels against ours, forward + backward, batch {args.batch}, 256 tokens, float32 inputs",
             fla_vs_ours(args.layouts, sizes, args.batch, device))
     return '\n'.join(sections)
+
+@torch.inference_mode()
+def decode_profile(layouts, sizes, batch, t, device, dtype, steps=5, top=4):
+    """The eager cached decode step under torch.profiler: its kernels (CUDA; on a CPU, its aten ops) and the few that
+    take the most time, per layout: why one layout's step costs more than another's that reads more."""
+    kind = 'device' if device.startswith('cuda') else 'cpu'
+    activities = [torch.profiler.ProfilerActivity.CPU] + [torch.profiler.ProfilerActivity.CUDA] * (kind == 'device')
+    rows = []
+    for attn in layouts:
+        model = GPT(GPTConfig(attn=LAYOUTS[attn], **sizes, block_size=t + 1)).to(device, dtype).eval()
+        idx, cache = torch.randint(0, 65, (batch, t + 1), device=device), model.init_cache(batch)
+        for i in range(0, t, 512):  # prefill in chunks (as roofline)
+            model(idx[:, i:min(i + 512, t)], cache=cache)
+        step = lambda: (setattr(cache, 'pos', t), model(idx[:, t:], cache=cache))
+        step()
+        with torch.profiler.profile(activities=activities) as prof:
+            for _ in range(steps):
+                step()
+        events = [e for e in prof.key_averages() if getattr(e, f'self_{kind}_time_total') > 0]
+        if kind == 'cpu':
+            events = [e for e in events if e.key.startswith('aten::')]
+        total = sum(getattr(e, f'self_{kind}_time_total') for e in events)
+        busiest = sorted(events, key=lambda e: -getattr(e, f'self_{kind}_time_total'))[:top]
+        rows.append(f"| {attn} | {total / steps / 1000:.3g} | {sum(e.count for e in events) // steps} | " + "; ".join(
+            f"`{e.key[:60]}` {100 * getattr(e, f'self_{kind}_time_total') / total:.0f}%" for e in busiest) + " |")
+    return table(['layout', f'{kind} ms a step', 'kernels a step' if kind == 'device' else 'aten ops a step',
+                  'the busiest (share of the step)'], rows)
 
 def fla_vs_ours(layouts, sizes, batch, device, T=256, rounds=10):
     """Each linear rule's update, forward and backward, on fla's kernels (linear_fla) and on ours (linear_chunked),

@@ -339,8 +339,11 @@ def test_bench_gpu_report_writes_each_section(tmp_path):
                        capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, r.stderr[-3000:]
     report = open(tmp_path / 'gpu.md').read()
-    for title in ('The run', 'Roofline of one decode step', 'Generation at batch 1', 'Training step', "fla's kernels"):
+    for title in ('The run', 'Roofline of one decode step', 'Generation at batch 1', 'Training step',
+                  "Where an eager decode step's time goes", "fla's kernels"):
         assert f"**{title}" in report and f"**{title}" in r.stdout, title  # printed as it finished, and kept
     assert 'compiled % of floor' in report and '| nanoGPT, compiled |' in report and '| ours, linear, compiled |' in report
     assert re.search(r"^\| linear \| 1 \|.* \| yes \| yes \|$", report, re.M)
+    assert re.search(r"^\| mha \| [\d.]+ \| \d+ \| `aten::", report, re.M)  # the profile: softmax layouts only
+    assert not re.search(r"^\| linear \| [\d.]+ \| \d+ \| `", report, re.M)
     assert os.path.isfile(tmp_path / 'roofline.png')

@@ -38,7 +38,8 @@ from configurator import Parser, check_device, check_memory, checked, describe, 
 from data.mqar.prepare import VALUES, VOCAB, prepare
 from interrupts import memory_errors_in_one_line
 from timing import generate_in_turns, take_turns
-from linear import fla_runs, linear_chunked, linear_fla
+from linear import linear_chunked
+from linear_fla import fla_runs, linear_fla
 from model import ATTN_LAYOUTS, GPT, GPTConfig, LINEAR_RULES, num_params
 
 os.environ.setdefault('KINETO_LOG_LEVEL', '6')  # no 'USDT: profiler_start' lines (inductor profiles GPU kernels)

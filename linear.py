@@ -7,22 +7,10 @@ S per head and rewrites it every token,
 and the rules differ only in α (forget) and β (correct: the delta rule). model.py's LINEAR_RULES picks them per
 layout; here is the update in its two forms, which agree (linear_step: one token, decode; linear_chunked: training
 and prefill), and the operators around it: φ, l2norm, the short conv, the unit-lower-triangular solve.
-linear_fla runs the same update on flash-linear-attention's Triton kernels (fla, optional: requirements-gpu.txt).
-Imports nothing from model.py.
+Imports nothing from model.py; linear_fla.py runs the same update on fla's Triton kernels.
 """
-import os
-from typing import Optional
-
 import torch
-from torch import Tensor
 
-try:  # fla-core, where Triton runs: CUDA (or any device under TRITON_INTERPRET=1, slowly: the tests)
-    from fla.ops.gated_delta_rule import chunk_gated_delta_rule, fused_recurrent_gated_delta_rule
-    from fla.ops.simple_gla import chunk_simple_gla, fused_recurrent_simple_gla
-    FLA = {False: (chunk_simple_gla, fused_recurrent_simple_gla),  # delta: (chunked kernel, one-token kernel)
-           True: (chunk_gated_delta_rule, fused_recurrent_gated_delta_rule)}
-except ImportError:
-    FLA = None
 
 
 # The update, written once. S (B, nh, d_k, d_v) = Σ k vᵀ: transposed, o = q S on rows; g = log α and β (B, nh, L).
@@ -67,66 +55,6 @@ def linear_chunked(q, k, v, g, beta, S, delta, chunk_size, keep_state=True):
             write = ((G[:, :, -1:] - G).exp() * k).mT @ u
             S = write if S is None else eG[:, :, -1:] * S + write
     return torch.cat(out, 2) if len(out) > 1 else out[0], S
-
-def fla_runs(x):
-    """fla's kernels can run on x: fla is installed and Triton runs there (CUDA, or the interpreter)."""
-    return FLA is not None and (x.is_cuda or os.environ.get('TRITON_INTERPRET') == '1')
-
-def linear_fla(q, k, v, g, beta, S, delta, keep_state=True):
-    """linear_step / linear_chunked on fla's kernels: a chunked kernel for L tokens, a fused recurrent one for a
-    decode token. fla's conventions: (B, L, nh, d); scale=1.0 (our q is scaled); g = log α; β after the sigmoid; the
-    state (d_k, d_v) as ours. Katharopoulos is simple_gla with no g on our v + a channel of ones (fla's chunk_linear_attn
-    is that call, but keeps z apart and divides with eps 1e-10: this keeps our normalizer). DeltaNet is the gated rule
-    with g = 0: fla's chunk_delta_rule refuses float32, where ours runs. Under torch.compile the kernels are one opaque
-    op (Dynamo cannot trace fla's launchers), whose backward runs the forward again."""
-    if torch.compiler.is_compiling():
-        o, S = torch.ops.gpt.linear_fla(q, k, v, g, beta, S, delta, keep_state)
-        return o, S if keep_state else None
-    chunked, one_token = FLA[delta]
-    kernel = one_token if q.size(2) == 1 and S is not None else chunked
-    fla = lambda x: x.transpose(1, 2)  # (B, nh, L, .) <-> (B, L, nh, .)
-    g = torch.zeros_like(beta) if delta and g is None else g  # α = 1
-    knobs = ({'g': fla(g)} if g is not None else {}) | ({'beta': fla(beta)} if delta else {})
-    o, S = kernel(fla(q), fla(k), fla(v), **knobs, scale=1.0, initial_state=S, output_final_state=keep_state)
-    return fla(o), S
-
-@torch.library.custom_op('gpt::linear_fla', mutates_args=())
-def _linear_fla_op(q: Tensor, k: Tensor, v: Tensor, g: Optional[Tensor], beta: Tensor, S: Optional[Tensor],
-                   delta: bool, keep_state: bool) -> tuple[Tensor, Tensor]:
-    o, S = linear_fla(q, k, v, g, beta, S, delta, keep_state)
-    return o.contiguous(), S if keep_state else q.new_empty(0)  # an op returns tensors, in the strides of its fake
-
-@_linear_fla_op.register_fake
-def _(q, k, v, g, beta, S, delta, keep_state):
-    return v.new_empty(v.shape), q.new_empty((*q.shape[:2], q.size(-1), v.size(-1)) if keep_state else 0)
-
-@torch.library.custom_op('gpt::linear_fla_backward', mutates_args=())
-def _linear_fla_backward(inputs: list[Optional[Tensor]], do: Tensor, dS: Tensor, delta: bool, keep_state: bool
-                         ) -> list[Tensor]:
-    """The gradients of each input (an empty tensor for None), by fla's backward after its forward again."""
-    inputs = [x if x is None else x.detach().requires_grad_() for x in inputs]
-    no_keys_off = torch._C.DispatchKeySet(torch._C.DispatchKey.Undefined)  # an op runs below autograd: back on
-    with torch._C._ForceDispatchKeyGuard(torch._C._dispatch_tls_local_include_set(), no_keys_off), torch.enable_grad():
-        o, S = linear_fla(*inputs, delta, keep_state)
-        given = [x for x in inputs if x is not None]
-        grads = iter(torch.autograd.grad([o, S] if keep_state else [o], given, [do, dS] if keep_state else [do],
-                                         allow_unused=True))
-    return [do.new_empty(0) if x is None else (lambda d: torch.zeros_like(x) if d is None else d.contiguous())(next(grads))
-            for x in inputs]
-
-@_linear_fla_backward.register_fake
-def _(inputs, do, dS, delta, keep_state):
-    return [do.new_empty(0) if x is None else x.new_empty(x.shape) for x in inputs]
-
-def _save(ctx, inputs, output):
-    ctx.save_for_backward(*inputs[:6])
-    ctx.flags = inputs[6:]
-
-def _backward(ctx, do, dS):
-    grads = torch.ops.gpt.linear_fla_backward(list(ctx.saved_tensors), do, dS, *ctx.flags)
-    return *[None if x is None else d for x, d in zip(ctx.saved_tensors, grads)], None, None
-
-_linear_fla_op.register_autograd(_backward, setup_context=_save)
 
 class UnitLowerSolve(torch.autograd.Function):
     """u = (I + A)⁻¹ e for the strictly lower part of A (..., C, C), through the inverse, kept for the backward:

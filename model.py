@@ -15,7 +15,8 @@ import torch.nn as nn
 from torch.nn import functional as F
 
 from cache import Cache, LayerCache
-from linear import ShortConv, fla_runs, l2norm, linear_chunked, linear_fla, linear_step, phi
+from linear import ShortConv, l2norm, linear_chunked, linear_step, phi
+from linear_fla import fla_runs, linear_fla
 from softmax import apply_rope, attend, rope_table
 
 # The linear layouts, the founding chapter's table: each keeps a fixed state S per head and rewrites it every token,

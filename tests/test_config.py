@@ -28,6 +28,7 @@ BAD = [
     (dict(attn='gqa', kv_lora_rank=64), r"kv_lora_rank=64 is invalid: no layer of attn='gqa' uses it"),
     (dict(attn='deltanet*3+gqa', rope_head_dim=8), r"rope_head_dim=8 is invalid: no layer of .* uses it"),
     (dict(pos_emb='alibi'), r"pos_emb.*must be 'rope' or 'learned'"),
+    (dict(linear_kernels='triton'), r"linear_kernels='triton' is invalid: must be 'fla' .* or 'torch'"),
     (dict(n_embd=100, n_head=6), r"n_embd.*divisible by n_head"),
     (dict(attn='gqa', n_kv_head=4), r"n_kv_head.*n_head=6 allows \[2, 3\].*divisor"),
     (dict(attn='gqa', n_kv_head=6), r"n_kv_head.*\[2, 3\]"),

@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from conftest import LINEAR_RULES, make_model
-from linear import fla_runs, linear_chunked, linear_fla, linear_step
+from linear import linear_chunked, linear_step
+from linear_fla import fla_runs, linear_fla
 
 pytest.importorskip('fla')
 DEVICE = 'cuda' if torch.cuda.is_available() else 'cpu'

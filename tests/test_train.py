@@ -109,11 +109,11 @@ def test_resume_continues_from_the_saved_iteration(tmp_path, char_data):
 
 
 def test_resume_may_change_the_chunk_size(tmp_path, char_data):
-    """chunk_size is how a linear layout computes, not what it learns: a resume may change it (it was refused), and
+    """chunk_size and linear_kernels are how a linear layout computes, not what it learns: a resume may change them, and
     the spelling of the stack ('gated_deltanet*1' is 'gated_deltanet'), not the stack."""
     train(tmp_path, char_data, '--attn=gated_deltanet', '--max_iters=4', '--eval_interval=2', '--chunk_size=4')
     r = train(tmp_path, char_data, '--attn=gated_deltanet', '--max_iters=6', '--eval_interval=2', '--chunk_size=3',
-              '--init_from=resume')
+              '--linear_kernels=torch', '--init_from=resume')  # nor which kernels run it
     assert 'resuming from' in r.stdout and metrics(tmp_path)[-1]['iter'] == 6
     assert 'changed: max_iters 4 -> 6\n' in r.stdout  # (chunk_size is the model's, not the schedule's)
     r = subprocess.run([sys.executable, 'train.py', *TINY, f'--out_dir={tmp_path}', f'--data_dir={char_data}',

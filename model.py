@@ -331,9 +331,10 @@ class MultiHeadLatentAttention(Attention):
             latent, mask = cache.update(pos, latent)                        # (B, 1, S, dc + dR)
             q_lat = torch.einsum('bhld,hdc->bhlc', q[..., :dh], self.k_up.weight.view(H, dh, dc))
             q = torch.cat([q_lat, q[..., dh:]], dim=-1)                     # (B, nh, L, dc + dR)
-            # MQA with key [c | k_R] and value c, passed whole (k_R's columns dropped after): with one head dim
-            # for K and V the fused kernel reads the cache once (else a math kernel rescales it every step)
-            y = attend(q, latent, latent, self.scale, dropout_p, mask)[..., :dc]  # (B, nh, L, dc)
+            # MQA with key [c | k_R] and value c. SDPA gets the value whole (k_R's columns dropped after): with one
+            # head dim for K and V its fused kernel reads the cache once (else a math kernel rescales it every step)
+            value = latent if mask is None else latent[..., :dc]  # (a static cache's FlexAttention: c alone)
+            y = attend(q, latent, value, self.scale, dropout_p, mask)[..., :dc]  # (B, nh, L, dc)
             y = torch.einsum('bhlc,hdc->bhld', y, self.v_up.weight.view(H, dh, dc))  # (B, nh, L, dh)
         return self.out(y)
 

@@ -43,3 +43,19 @@ def test_train_py_compiles_when_asked_and_says_how_long(tmp_path, char_data):
     assert compiled.returncode == 0, compiled.stderr[-2000:]
     assert 'compiling the model (torch.compile, fullgraph)' in compiled.stdout
     assert 'compiled: the first iteration took ' in compiled.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize('attn', ['mha', 'gqa', 'mqa', 'mla', 'gated_deltanet*3+gqa'])
+def test_compiled_static_cache_equals_the_full_forward(attn):
+    """The compiled decode path (a static cache, FlexAttention over its filled blocks): a prefill, then token by
+    token, gives the full forward's logits."""
+    model = make_model(attn, dtype=torch.float32, n_layer=4 if '*3' in attn else 2)
+    idx = torch.randint(0, 40, (2, 20), generator=torch.Generator().manual_seed(1))
+    torch._dynamo.reset()
+    step = torch.compile(model, fullgraph=True, dynamic=False)
+    with torch.no_grad():
+        full = model(idx, idx)[0]
+        cache = model.init_cache(2, static=True)
+        steps = [step(idx[:, :8], cache=cache)[0]] + [step(idx[:, t:t + 1], cache=cache)[0] for t in range(8, 20)]
+    assert (torch.cat(steps, 1) - full).abs().max() < 1e-4

@@ -616,7 +616,8 @@ def main(argv=None):
     p.add_argument('extra', nargs='*', default=[], help='train, convert: more --key=value for train.py, after --')
     only = dict(extra='train, convert', compile='decode')  # {option: the modes it is for}
     for modes, flag, default, kind, what in (  # '' = for every mode
-            ('cache, train, decode, mqar, gpu', 'layouts', ','.join(LAYOUTS), layouts, 'a comma-separated subset'),
+            ('cache, train, decode, mqar, gpu', 'layouts', ','.join(LAYOUTS), layouts,
+             'a comma-separated subset (gpu: mha,gqa,mqa,mla,gated_deltanet,hybrid unless given)'),
             ('', 'out', None, str, 'folder for runs, reports and plots (default: out-bench; with --readme: results; '
              'gpu: results/gpu)'),
             ('train, decode, gpu', 'device', 'cpu', str, 'cpu or cuda[:N]; train on cuda runs the full baby-GPT recipe; '
@@ -658,7 +659,8 @@ def main(argv=None):
                                             if args.out else "give a folder to write the results in"))
     given = {a.split('=')[0] for a in (sys.argv[1:] if argv is None else argv) if a.startswith('--')}
     if args.mode == 'gpu':  # its own settings, unless given: a lent GPU runs `python bench.py gpu` as it is
-        for key, value in dict(device='cuda', batch=64, dtype='bfloat16').items():
+        six = 'mha,gqa,mqa,mla,gated_deltanet,hybrid'.split(',')  # (every softmax kind, the delta rule, the hybrid:
+        for key, value in dict(device='cuda', batch=64, dtype='bfloat16', layouts=six).items():  # ~40 compilations)
             setattr(args, key, getattr(args, key) if f'--{key}' in given else value)
     args.out = 'results' if args.readme else args.out or ('results/gpu' if args.mode == 'gpu' else 'out-bench')
     args.layouts = [a for a in LAYOUTS if a in args.layouts]  # in the usual order

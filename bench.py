@@ -9,6 +9,7 @@ report to --out/MODE.md (default out-bench/); --readme writes results/MODE.md an
     python bench.py decode --compile      # ... with compiled columns (a static cache; on CUDA, CUDA graphs)
     python bench.py convert               # MHA -> GQA / MQA by mean-pooling K/V heads, then uptraining
     python bench.py mqar                  # associative recall vs the number of pairs: what a fixed state can hold
+    python bench.py gpu --nanogpt PATH    # the one GPU report: roofline, generation, training step, profile, fla
 """
 import copy
 import dataclasses
@@ -39,7 +40,7 @@ from data.mqar.prepare import VALUES, VOCAB, prepare
 from interrupts import memory_errors_in_one_line
 from timing import generate_in_turns, take_turns
 from linear import linear_chunked
-from linear_fla import fla_runs, linear_fla
+from linear_fla import FLA, fla_runs, linear_fla
 from model import ATTN_LAYOUTS, GPT, GPTConfig, LINEAR_RULES, num_params
 
 os.environ.setdefault('KINETO_LOG_LEVEL', '6')  # no 'USDT: profiler_start' lines (inductor profiles GPU kernels)
@@ -414,8 +415,10 @@ def gpu_report(args, sizes):
         sections.append(f"**{title}**\n\n{text.strip()}\n")
         write_atomic(os.path.join(args.out, 'gpu.md'), '\n'.join(sections))
         print(sections[-1], flush=True)
-    section('The run', f"`{command(args, f'--batch={args.batch}', f'--t={args.t}')}` on {machine()}, {gpu}; model "
-            f"{sizes['n_layer']} layers, {sizes['n_head']} heads, n_embd {sizes['n_embd']}, {args.dtype}.")
+    given = [f'--{k}={getattr(args, k)}' for k in ('device', 'dtype', 'batch', 't', 'n_layer', 'n_head', 'n_embd',
+                                                  'gen_tokens')]  # every setting: the command reruns it
+    section('The run', f"`{command(args, *given)}` on {machine()}, {gpu}; fla "
+            f"{'installed' if FLA else 'not installed'}.")
     section(f"Roofline of one decode step, batch {args.batch}, t={args.t}, eager and compiled", roofline_section(
         *roofline(args.layouts, sizes, args.batch, [args.t], device, dtype, compile=True), args.batch, args.t,
         os.path.join(args.out, 'roofline.png')))
@@ -426,7 +429,7 @@ def gpu_report(args, sizes):
                                  sizes={**sizes, 'block_size': 256, 'batch': args.batch}, compile=True)
             + ("" if args.nanogpt is not None else "\n(no --nanogpt PATH given: nanoGPT's model.py not timed)"))
     section(f"Where an eager decode step's time goes, batch {args.batch}, t={args.t} (torch.profiler, 5 steps)",
-            decode_profile([a for a in args.layouts if a not in LINEAR_RULES], sizes, args.batch, args.t, device, dtype))
+            decode_profile(args.layouts, sizes, args.batch, args.t, device, dtype))
     section(f"fla's kernels against ours, forward + backward, batch {args.batch}, 256 tokens, float32 inputs",
             fla_vs_ours(args.layouts, sizes, args.batch, device))
     return '\n'.join(sections)
@@ -463,7 +466,8 @@ def fla_vs_ours(layouts, sizes, batch, device, T=256, rounds=10):
     taking turns, from the inputs LinearAttention feeds them: ms, and the largest difference of output and gradients.
     Where fla cannot run, one line that says so (the sections above then ran ours)."""
     if not fla_runs(torch.empty(0, device=device)):
-        return f"Not measured: fla (requirements-gpu.txt) is not installed, or Triton does not run on {device}."
+        return "Not measured: " + (f"fla's kernels run on CUDA, not {device}." if FLA else
+                                   "fla is not installed here (pip install -r requirements-gpu.txt).")
     H, d, rows = sizes['n_head'], sizes['n_embd'] // sizes['n_head'], []
     for layout in (a for a in layouts if a in LINEAR_RULES):
         forget, delta = LINEAR_RULES[layout]

@@ -1,6 +1,6 @@
 """
 linear.py's update (linear_step, linear_chunked) on flash-linear-attention's Triton kernels (fla-core, optional:
-requirements-gpu.txt), where Triton runs: CUDA, or any device under TRITON_INTERPRET=1 (slowly: the tests).
+requirements-gpu.txt), on CUDA (and in tests/test_fla.py under Triton's interpreter, on a CPU).
 
     gated_deltanet, deltanet      chunk_gated_delta_rule, fused_recurrent_gated_delta_rule (deltanet: g = 0, since
                                   fla's chunk_delta_rule refuses float32, where ours runs)
@@ -11,7 +11,6 @@ requirements-gpu.txt), where Triton runs: CUDA, or any device under TRITON_INTER
 Under torch.compile the kernels are one opaque op (Dynamo cannot trace fla's launchers) whose backward runs fla's
 forward and backward again. Imports nothing of ours.
 """
-import os
 from typing import Optional
 
 import torch
@@ -27,8 +26,8 @@ except ImportError:
 
 
 def fla_runs(x):
-    """fla's kernels can run on x: fla is installed and Triton runs there (CUDA, or the interpreter)."""
-    return FLA is not None and (x.is_cuda or os.environ.get('TRITON_INTERPRET') == '1')
+    """fla's kernels can run on x: fla is installed and x is on CUDA (tests/test_fla.py adds Triton's interpreter)."""
+    return FLA is not None and x.is_cuda
 
 def linear_fla(q, k, v, g, beta, S, delta, keep_state=True):
     """linear_step / linear_chunked on fla's kernels: a chunked kernel for L tokens, a fused recurrent one for a

@@ -17,6 +17,7 @@ import os
 import sys
 import time
 import warnings
+from dataclasses import replace
 
 import torch
 
@@ -40,6 +41,7 @@ compare = False            # generate with and without the cache and print a com
 device = 'cuda' if torch.cuda.is_available() else 'cpu'  # cpu, cuda or cuda:N
 dtype = ('bfloat16' if torch.cuda.is_bf16_supported() else 'float16') if torch.cuda.is_available() else 'float32'  # weights, cache
 compile = False            # torch.compile the model, with a static cache (on CUDA: CUDA graphs)
+linear_kernels = 'fla'     # the linear layouts: fla's Triton kernels on CUDA if installed, or 'torch': ours
 # -----------------------------------------------------------------------------
 config_keys = [k for k, v in globals().items() if not k.startswith('_') and isinstance(v, (int, float, bool, str))]
 on_closed_output(lambda: os._exit(0))  # `| head`: the reader has what it wanted; end quietly
@@ -52,7 +54,8 @@ for name, ok, rule in (('max_new_tokens', max_new_tokens >= 0, '>= 0'), ('top_k'
                        ('seed', 0 <= seed < 2 ** 62, 'in [0, 2**62)'),
                        ('num_samples', num_samples >= 1, '>= 1'),
                        ('max_new_tokens', max_new_tokens >= 1 or not compare, '>= 1 with --compare'),
-                       ('use_cache', use_cache or not compare, 'True with --compare (it runs both ways)')):
+                       ('use_cache', use_cache or not compare, 'True with --compare (it runs both ways)'),
+                       ('linear_kernels', linear_kernels in ('fla', 'torch'), "'fla' or 'torch'")):
     if not ok:
         fail(f"{name}={globals()[name]!r} must be {rule}")
 check_device(device, dtype)
@@ -95,7 +98,7 @@ check_memory(num_params(cfg) * ptdtype.itemsize + num_samples * (
     device, f"{ckpt_path}'s model ({cfg.n_layer} layers, n_embd {cfg.n_embd}) and num_samples={num_samples}: "
             "the weights, caches and activations")
 try:
-    model = GPT(cfg)
+    model = GPT(replace(cfg, linear_kernels=linear_kernels))  # how it computes: this run's choice
     model.load_state_dict(weights(ckpt))
     meta = check_meta(ckpt.get('meta'))
     if meta['vocab_size'] != cfg.vocab_size:

@@ -34,7 +34,8 @@ from configurator import check_device, check_memory, configure, describe, durati
 from convert import conversion
 from data.common import PrepareError, open_data, sample_prompt
 from interrupts import memory_errors_in_one_line, on_closed_output
-from model import GPT, GPTConfig, num_params
+from linear_fla import fla_runs
+from model import GPT, GPTConfig, LINEAR_RULES, num_params
 from wandb_run import WandB
 
 # -----------------------------------------------------------------------------
@@ -284,6 +285,9 @@ if master_process:  # the model in one line: layout, parameters, cache bytes per
             f"bytes/token at block_size {block_size} ({dtype})")
     if not gptconf.softmax:
         line += " (a fixed state: the bytes shrink as the context grows)"
+    if set(gptconf.layouts) & set(LINEAR_RULES):  # which kernels: fla's where they run, else ours
+        fla = gptconf.linear_kernels == 'fla' and fla_runs(torch.empty(0, device=device))
+        line += "; linear layers on " + ("fla's kernels" if fla else "our kernels")
     layers = gptconf.layer_counts()
     if len(layers) > 1:  # a hybrid: the pattern repeats over n_layer, so its counts alone can mislead
         line += f"; layers: {', '.join(f'{a} x{n}' for a, n in layers.items())}"

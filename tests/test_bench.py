@@ -344,6 +344,7 @@ def test_bench_gpu_report_writes_each_section(tmp_path):
         assert f"**{title}" in report and f"**{title}" in r.stdout, title  # printed as it finished, and kept
     assert 'compiled % of floor' in report and '| nanoGPT, compiled |' in report and '| ours, linear, compiled |' in report
     assert re.search(r"^\| linear \| 1 \|.* \| yes \| yes \|$", report, re.M)
-    assert re.search(r"^\| mha \| [\d.]+ \| \d+ \| `aten::", report, re.M)  # the profile: softmax layouts only
-    assert not re.search(r"^\| linear \| [\d.]+ \| \d+ \| `", report, re.M)
+    assert all(re.search(rf"^\| {a} \| [\d.]+ \| \d+ \| `aten::", report, re.M) for a in ('mha', 'linear'))  # profile
+    assert '--device=cpu --dtype=float32 --batch=1 --t=8 --n_layer=1 --n_head=2 --n_embd=16 --gen_tokens=2' in report
+    assert "Not measured: fla is not installed here" in report
     assert os.path.isfile(tmp_path / 'roofline.png')

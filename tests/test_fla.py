@@ -2,7 +2,7 @@
 backward, the model's switch, and the compiled op. Where fla is installed: on CUDA, and on a CPU under Triton's
 interpreter (slow, small shapes), which must be on before fla is imported:
 
-    TRITON_INTERPRET=1 python -m pytest tests/test_fla.py     # (not with the other tests: every CPU model runs fla)
+    TRITON_INTERPRET=1 python -m pytest tests/test_fla.py -m 'slow or not slow'
 
 Skipped where fla is not installed, as in CI, and on a CPU without the interpreter."""
 import builtins
@@ -14,7 +14,7 @@ import torch
 
 from conftest import LINEAR_RULES, make_model
 from linear import linear_chunked, linear_step
-from linear_fla import fla_runs, linear_fla
+from linear_fla import linear_fla
 
 pytest.importorskip('fla')
 DEVICE = 'cuda' if torch.cuda.is_available() else 'cpu'
@@ -28,6 +28,8 @@ def triton_runs(monkeypatch):
     and no tensor loop index from a Python range() in a kernel (fla calls .to() on it)."""
     if DEVICE == 'cuda':
         return
+    for where in ('linear_fla', 'model', 'bench'):  # (the scripts run fla on CUDA only)
+        monkeypatch.setattr(f'{where}.fla_runs', lambda x: True)
     import triton.language as tl
     import triton.runtime.autotuner as autotuner
     prune = autotuner.Autotuner.prune_configs
@@ -89,7 +91,7 @@ def test_fla_one_token_kernel_equals_linear_step(layout):
 
 def test_model_switch_and_cache(monkeypatch):
     """A hybrid with every linear rule: linear_kernels='fla' runs fla (its kernels are called) and equals 'torch', full
-    forward and token by token through the cache; on a CPU without the interpreter it falls back to ours."""
+    forward and token by token through the cache; where fla cannot run, ours."""
     attn = 'linear+retnet+mamba2+deltanet+gated_deltanet+mha'
     ours, theirs = (make_model(attn, torch.float32, n_layer=6, linear_kernels=kind).to(DEVICE)
                     for kind in ('torch', 'fla'))
@@ -103,9 +105,8 @@ def test_model_switch_and_cache(monkeypatch):
         steps = torch.cat([theirs(idx[:, :7], cache=cache)[0]] + [theirs(idx[:, t:t + 1], cache=cache)[0]
                                                                    for t in range(7, 19)], 1)
         assert (steps - full).abs().max() < 1e-4 and len(calls) == 5 + 5 * 13
-        if DEVICE == 'cpu':
-            monkeypatch.delenv('TRITON_INTERPRET')
-            assert not fla_runs(idx) and (theirs(idx, idx)[0] - full).abs().max() < 1e-5 and len(calls) == 70
+        monkeypatch.setattr('model.fla_runs', lambda x: False)
+        assert (theirs(idx, idx)[0] - full).abs().max() < 1e-5 and len(calls) == 70
 
 
 @pytest.mark.slow

@@ -109,6 +109,7 @@ def test_streaming_one_sample_and_file_prompt(ckpt_dir, tmp_path):
 
 def test_top_p_tiny_is_greedy_and_top_k_one_is_greedy(ckpt_dir):
     greedy = sample(ckpt_dir, '--temperature=0', '--num_samples=2')
+    assert sample(ckpt_dir, '--temperature=0', '--num_samples=2', '--linear_kernels=torch') == greedy  # (ours: here)
     assert sample(ckpt_dir, '--temperature=1.0', '--top_p=1e-9', '--num_samples=2') == greedy
     assert sample(ckpt_dir, '--temperature=1.0', '--top_k=1', '--num_samples=2') == greedy
 
@@ -127,6 +128,7 @@ def test_top_p_tiny_is_greedy_and_top_k_one_is_greedy(ckpt_dir):
     (['--start=FILE:/no/such'], "cannot read the prompt file '/no/such'"),
     (['--start=FILE:/dev/zero'], "the prompt file '/dev/zero' holds more than 67,108,864 bytes"),  # not all read
     (['--device=tpu'], "device='tpu' should be cpu, cuda or cuda:N"),
+    (['--linear_kernels=triton'], "linear_kernels='triton' must be 'fla' or 'torch'"),
 ])
 def test_bad_input_is_one_line(ckpt_dir, args, message):
     before = open(os.path.join(ckpt_dir, 'ckpt.pt'), 'rb').read()

@@ -138,6 +138,28 @@ def test_mqar_sequences_pair_every_query_with_its_value():
     assert len({tuple(r) for r in x[:, 5:10] - QUERY}) > 100  # queries come in random orders
 
 
+def test_zoology_layout_queries_every_key_once_after_its_pairs_with_power_law_gaps():
+    """Zoology's MQAR, one position a pair (key * vocab + value): distinct keys and values in their halves of the
+    vocabulary, each key queried once after the pairs (value 0 there) with its pair's value as the target, -1
+    elsewhere; the gaps follow the power law (the first gap far likelier than a late one); bad sizes refused."""
+    import numpy as np
+    from data.mqar.prepare import zoology
+    vocab, N, L = 64, 6, 40
+    x, y = zoology(vocab, L, N, 500, np.random.default_rng(0))
+    assert x.shape == y.shape == (500, L)
+    for row_x, row_y in zip(x, y):
+        keys, values = row_x[:N] // vocab, row_x[:N] % vocab
+        assert len(set(keys)) == len(set(values)) == N and (keys >= 1).all() and (keys < 32).all() and (values >= 32).all()
+        asked = (row_y >= 0).nonzero()[0]
+        assert len(asked) == N and (asked >= N).all() and (row_x[N:] % vocab == 0).all()  # no value after the pairs
+        assert sorted(row_x[asked] // vocab) == sorted(keys)
+        assert all(row_y[i] == dict(zip(keys, values))[row_x[i] // vocab] for i in asked)
+    gaps = np.concatenate([(row >= 0).nonzero()[0] - N for row in y])
+    assert (gaps == 0).sum() > 5 * (gaps == L - N - 1).sum()
+    with pytest.raises(ValueError, match="give at most"):
+        zoology(vocab, 10, 8, 1, np.random.default_rng(0))  # 8 pairs leave 2 query positions
+
+
 def test_mqar_prepare_writes_every_n_and_refuses_bad_input(tmp_path):
     import json
     import subprocess

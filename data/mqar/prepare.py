@@ -50,6 +50,29 @@ def sequences(n_pairs, count, rng, length=None):
     return x, y
 
 
+def zoology(vocab, length, n_pairs, count, rng, power_a=0.01):
+    """(x, y), int64 (count, length): Zoology's MQAR (multiquery_ar.py) in its one-position variant, the layout #45
+    moves to. Keys are ids 1 .. vocab/2 - 1, values vocab/2 .. vocab - 1, both distinct within a sequence; the N pairs
+    come first, one position each, packed as key * vocab + value (the model embeds key + value there); then each key
+    alone (key * vocab) at a gap after the pairs drawn from Zoology's power law (p(gap) ~ gap^(power_a - 1): near
+    ones likelier), and random tokens (token * vocab) between. y: the pair's value at its key's query, else -1."""
+    half, space = vocab // 2, length - n_pairs
+    if not (n_pairs <= min(half - 1, vocab - half) and n_pairs <= space):
+        raise ValueError(f"{n_pairs} pairs in {length} tokens of a {vocab}-token vocabulary: give at most "
+                         f"{min(half - 1, vocab - half)} pairs, and a query position for each after them")
+    keys = 1 + np.argsort(rng.random((count, half - 1)), axis=1)[:, :n_pairs]            # distinct keys
+    values = half + np.argsort(rng.random((count, vocab - half)), axis=1)[:, :n_pairs]   # distinct values
+    p = power_a * np.arange(1, space + 1) ** (power_a - 1)
+    gumbel = -np.log(-np.log(rng.random((count, space))))  # top-N of log p + Gumbel: N gaps drawn without replacement
+    gaps = np.argsort(-(np.log(p / p.sum()) + gumbel), axis=1)[:, :n_pairs]
+    x = rng.integers(0, vocab, (count, length)) * vocab                                  # noise: a token, no value
+    y = np.full((count, length), -1, dtype=np.int64)
+    x[:, :n_pairs] = keys * vocab + values
+    np.put_along_axis(x, n_pairs + gaps, keys * vocab, axis=1)
+    np.put_along_axis(y, n_pairs + gaps, values, axis=1)
+    return x, y
+
+
 def prepare(out_dir, pairs=(4, 8, 16, 24, 32), train=20000, val=500, seed=0):
     """out_dir/mqar.npz: train_x_N, train_y_N, val_x_N, val_y_N per N, all padded to 2 max(N); and mqar.json."""
     rng, length = np.random.default_rng(seed), 2 * max(pairs)

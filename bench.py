@@ -671,7 +671,7 @@ def main(argv=None):
     cuda_train = args.mode == 'train' and args.device != 'cpu'
     args.max_iters = args.max_iters or {'mqar': 3000}.get(args.mode, 5000 if cuda_train else 2000)
     check_device(args.device, args.dtype)
-    if args.mode == 'decode' and args.device == 'cpu' and args.dtype == 'float16':
+    if args.mode in ('decode', 'gpu') and args.device == 'cpu' and args.dtype == 'float16':
         p.error("--dtype=float16 on CPU: no fp16 matmul kernels here (a 2048^2 product took 69 s, 0.13 s in float32); "
                 "use float32 or bfloat16")
     try:  # nanoGPT's model.py runs now, two steps: a wrong file is refused before five layouts train, not after

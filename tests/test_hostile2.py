@@ -147,8 +147,9 @@ def test_bench_keeps_its_earlier_run_when_train_py_ran_none(tmp_path):
     r = run('bench.py', 'train', '--layouts=mha', '--max_iters=1', f'--out={tmp_path}', '--', '--help')
     assert r.returncode == 2 and 'Traceback' not in r.stderr and "ended without a run" in r.stderr.splitlines()[-1]
     assert (earlier / 'metrics.jsonl').read_text() == '{"iter": 0}\n'  # (bench.py's progress lines go to stderr too)
-    r = run('bench.py', 'decode', '--layouts=mha', '--dtype=float16', f'--out={tmp_path}')
-    assert "--dtype=float16 on CPU" in one_line(r)
+    for mode in ('decode', 'gpu'):  # (gpu on a CPU in float16 ran its roofline's fp16 products for minutes)
+        r = run('bench.py', mode, '--layouts=mha', '--dtype=float16', '--device=cpu', f'--out={tmp_path}')
+        assert "--dtype=float16 on CPU" in one_line(r)
 
 
 def test_linear_layouts_hostile_pass(tmp_path):

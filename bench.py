@@ -36,7 +36,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from checkpoint import FileError, write_atomic
 from configurator import Parser, check_device, check_memory, checked, describe, fail, parse_value
-from data.mqar.prepare import VALUES, VOCAB, prepare
+from data.mqar.prepare import SETS, load, parse_sets, prepare, zoology
 from interrupts import memory_errors_in_one_line
 from timing import generate_in_turns, take_turns
 from linear import linear_chunked
@@ -510,91 +510,159 @@ def capacity(d_k, pairs, trials=50):
             recall[name, n] = (nearest == torch.arange(n)).float().mean().item()
     return rules, recall
 
-MQAR = dict(n_layer=2, n_head=4, n_embd=64, chunk_size=32, match_mha_params=True)  # per layout; hybrid 1:1 on 2 layers
-# each layout's best peak lr of the sweep --lrs=1e-3,3e-3 (~22 min on 2 cores): the default runs only these (half the
-# time); a sweep is needed, since a layout learns the lookup at one of the two rates and stays at chance at the other
-MQAR_LR = {'mha': 3e-3, 'linear': 3e-3}  # the others: 1e-3
+# every layout alike: 2 layers, learned positions (no RoPE), MHA's parameter count, no short conv in front of any mixer
+MQAR = dict(n_layer=2, n_head=4, n_embd=64, pos_emb='learned', chunk_size=32, match_mha_params=True)
+ZOOLOGY = dict(vocab=8192, sets=((64, 4), (128, 8), (256, 16), (512, 64)), train=100000, batch=256, max_iters=5000)
+MQAR_DATA = {'cpu': dict(vocab=256, sets=SETS, train=20000, batch=64, max_iters=1500), 'cuda': ZOOLOGY}
+MQAR_LR = {}  # each layout's best peak lr of `--lrs=3e-4,1e-3,3e-3 --seeds=2` (see the report); the others: 1e-3
 
-def mqar_run(path, name, lr, max_iters, batch=32):
-    """One layout trained on MQAR at one peak lr (every N mixed; warmup, then cosine to lr / 10): {N: recall}. On one
-    thread, as a worker of mqar_report's pool: its numbers never depend on the machine's core count."""
+class PairEmbedding(torch.nn.Module):
+    """data/mqar's positions, key * vocab + value, embedded as wte(key) + wte(value): the model's own tied rows."""
+
+    def __init__(self, wte, vocab):
+        super().__init__()
+        self.wte, self.vocab = wte, vocab
+
+    def forward(self, idx):
+        return self.wte(idx // self.vocab) + self.wte(idx % self.vocab)
+
+def mqar_model(name, vocab, block_size, n_embd=MQAR['n_embd']):
+    attn = {**LAYOUTS, 'hybrid': 'gated_deltanet+gqa'}[name]  # (1:1 on 2 layers)
+    no_conv = dict(conv_size=1) if 'conv_size' in GPTConfig(attn=attn).used_fields() else {}  # (1 tap: none)
+    model = GPT(GPTConfig(attn=attn, vocab_size=vocab, block_size=block_size, **MQAR | no_conv | {'n_embd': n_embd}))
+    model.transformer.wte = PairEmbedding(model.transformer.wte, vocab)
+    return model
+
+def mqar_recall(model, sets):
+    """{(L, N): the share of its validation answers right}."""
+    model.eval()
+    with torch.no_grad():
+        right = {s: [(model(x, y)[0].argmax(-1) == y)[y >= 0].float().mean() for x, y in
+                     zip(val_x.split(250), val_y.split(250))] for s, (_, _, val_x, val_y) in sets.items()}
+    model.train()
+    return {s: torch.stack(r).mean().item() for s, r in right.items()}
+
+def mqar_run(path, name, lr, seed, max_iters, batch, device, label, eval_every=250, stop=0.99):
+    """One layout trained on every (L, N) set of path at one peak lr and seed, as Zoology does: AdamW (weight decay
+    0.1), warmup then cosine to 0, a batch of one set per step in turn; every eval_every steps its recall, stopping at
+    stop. On one thread as a worker of mqar_report's pool: its numbers never depend on the machine's core count."""
     torch.set_num_threads(1)
-    data = dict(np.load(path))
-    pairs = sorted(int(k.split('_')[-1]) for k in data if k.startswith('val_x_'))
-    train_x, train_y = (torch.from_numpy(np.concatenate([data[f'train_{s}_{n}'] for n in pairs])) for s in ('x', 'y'))
-    torch.manual_seed(0)
-    attn = {**LAYOUTS, 'hybrid': 'gated_deltanet+gqa'}[name]
-    model = GPT(GPTConfig(attn=attn, vocab_size=VOCAB, block_size=train_x.size(1), **MQAR))
-    opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.98), weight_decay=0.0)
-    order = torch.randint(0, train_x.size(0), (max_iters, batch), generator=torch.Generator().manual_seed(0))
-    for it, rows in enumerate(order):  # the same batches for every layout and lr
+    sets = {s: [torch.from_numpy(a).to(device) for a in arrays] for s, arrays in load(path).items()}
+    vocab = int(json.load(open(os.path.join(os.path.dirname(path), 'mqar.json')))['vocab'])
+    torch.manual_seed(seed)
+    model = mqar_model(name, vocab, max(L for L, _ in sets)).to(device)
+    decay = [p for p in model.parameters() if p.dim() >= 2]  # as train.py: matrices and embeddings decay
+    opt = torch.optim.AdamW([{'params': decay}, {'params': [p for p in model.parameters() if p.dim() < 2],
+                                                 'weight_decay': 0.0}], lr=lr, betas=(0.9, 0.98), weight_decay=0.1)
+    g, order, warmup = torch.Generator().manual_seed(seed), list(sets), max(1, max_iters // 20)
+    curve, start = [], time.time()
+    for it in range(max_iters + 1):  # the same batches for every layout and lr, at one seed
+        if it and it % eval_every == 0 or it == max_iters:
+            curve.append((it, mqar_recall(model, sets)))
+            recall = statistics.mean(curve[-1][1].values())
+            progress(f"mqar {label}: step {it}, recall {recall:.1%}")
+            if recall >= stop or it == max_iters:
+                break
+        train_x, train_y = sets[order[it % len(order)]][:2]
+        rows = torch.randint(0, train_x.size(0), (batch,), generator=g).to(device)
         for group in opt.param_groups:
-            group['lr'] = lr * min(1, (it + 1) / 100) * (0.55 + 0.45 * math.cos(math.pi * it / max_iters))
+            group['lr'] = lr * min((it + 1) / warmup, 0.5 * (1 + math.cos(math.pi * it / max_iters)))
         loss = model(train_x[rows], train_y[rows])[1]
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
-    model.eval()
-    with torch.no_grad():
-        xy = {n: [torch.from_numpy(data[f'val_{s}_{n}']) for s in ('x', 'y')] for n in pairs}
-        return {n: (model(x, y)[0].argmax(-1) == y)[y >= 0].float().mean().item() for n, (x, y) in xy.items()}
+    crossed = {p: next((it for it, r in curve if statistics.mean(r.values()) >= p), None) for p in (0.5, 0.9, 0.99)}
+    return dict(recall=curve[-1][1], steps=curve[-1][0], crossed=crossed, seconds=time.time() - start,
+                curve=[(it, statistics.mean(r.values())) for it, r in curve])
+
+def mqar_data(args):  # the data set's settings: the device's, then the flags'
+    return MQAR_DATA['cuda' if args.device.startswith('cuda') else 'cpu'] | {
+        k: v for k in ('vocab', 'sets') if (v := getattr(args, k))}
 
 def mqar_report(args):
-    """Per layout, a 2-layer model trained on MQAR at each lr (runs on one thread each, as many at once as there are
-    cores), its best lr kept as Zoology does; recall per N; and the untrained capacity."""
+    """Per layout, the 2-layer model trained on MQAR to 99% recall or max_iters at each lr and seed (one thread a run,
+    as many at once as there are cores), its best lr kept as Zoology does; recall per set; the untrained capacity."""
+    cuda, data = args.device.startswith('cuda'), mqar_data(args)
     data_dir = tempfile.TemporaryDirectory(dir=args.out, prefix='.mqar-data-')  # deleted at the end, even on an error
-    path = prepare(data_dir.name)  # made again each run (seeded, seconds), in a folder of its own: never a user's data
-    data = np.load(path)
-    pairs = sorted(int(k.split('_')[-1]) for k in data.files if k.startswith('val_x_'))
-    shape = data[f'train_x_{pairs[0]}'].shape  # (sequences, tokens) per N
-    lrs = args.lrs or sorted({MQAR_LR.get(name, 1e-3) for name in args.layouts})  # all of them, or each layout's best
-    runs = [(name, lr) for name in args.layouts for lr in (args.lrs or [MQAR_LR.get(name, 1e-3)])]
+    path = prepare(data_dir.name, data['vocab'], data['sets'], data['train'])  # seeded, seconds: never a user's data
+    lrs = {name: args.lrs or [MQAR_LR.get(name, 1e-3)] for name in args.layouts}  # all, or each layout's best
+    runs = [(name, lr, seed) for name in args.layouts for lr in lrs[name] for seed in range(args.seeds)]
+    workers = min(len(runs), 4 if cuda else os.cpu_count() or 1)
+    progress(f"mqar: {len(runs)} runs of up to {args.max_iters} steps, {workers} at a time"
+             + " on one thread each" * (not cuda))
     acc = {}
-    workers = min(len(runs), os.cpu_count() or 1)
-    progress(f"mqar: {len(runs)} runs of {args.max_iters} steps ({len(args.layouts)} layouts, "
-             + (f"x {len(lrs)} lrs" if args.lrs else "each at its best lr of the sweep") + f"), {workers} at a time on one thread each")
     with ProcessPoolExecutor(workers, mp_context=get_context('spawn')) as pool:  # (spawn: forked torch threads hang)
-        todo = {pool.submit(mqar_run, path, name, lr, args.max_iters): (name, lr) for name, lr in runs}
+        todo = {pool.submit(mqar_run, path, *run, args.max_iters, data['batch'], args.device,
+                            f"run {k} of {len(runs)} ({run[0]}, lr {run[1]:g}, seed {run[2]})"): run
+                for k, run in enumerate(runs, 1)}
         for done in as_completed(todo):
             acc[todo[done]] = done.result()
-            name, lr = todo[done]
-            progress(f"mqar: {name} at lr {lr:g}: mean recall {statistics.mean(acc[name, lr].values()):.1%}")
-    mean = {run: statistics.mean(r.values()) for run, r in acc.items()}
-    best = {name: max((lr for lr in lrs if (name, lr) in mean), key=lambda lr: mean[name, lr]) for name in args.layouts}
-    d, head_dim = MQAR['n_embd'], MQAR['n_embd'] // MQAR['n_head']
-    rules, recall = capacity(head_dim, pairs)
+    sets, seeds = data['sets'], range(args.seeds)
+    mean = lambda name, lr, s=None: statistics.mean(statistics.mean(acc[name, lr, seed]['recall'].values()) if s is None
+                                                    else acc[name, lr, seed]['recall'][s] for seed in seeds)
+    steps = lambda name, lr: statistics.mean(acc[name, lr, seed]['steps'] for seed in seeds)
+    best = {name: max(lrs[name], key=lambda lr: (min(mean(name, lr), 0.99), -steps(name, lr)))  # past 99%: the fastest
+            for name in args.layouts}
+    head_dim, L = MQAR['n_embd'] // MQAR['n_head'], max(L for L, _ in sets)
+    cfg = {name: mqar_model(name, data['vocab'], L).config for name in args.layouts}
+    state = {(name, L_): cfg[name].cache_elements(L_) for name in args.layouts for L_, _ in sets}
+    pairs, (hard_L, hard_n) = [n for _, n in sets], sets[-1]
+    rules, recall = capacity(head_dim, sorted(set(pairs)))
+    legend, percent = dict(fontsize=7, loc='upper left', bbox_to_anchor=(1.01, 1)), 'answers recalled (%)'
     plot(os.path.join(args.out, 'mqar.png'),
-         [(pairs, [100 * acc[name, best[name]][n] for n in pairs], name, dict(marker='o', color=f'C{i}'))
+         [(pairs, [100 * mean(name, best[name], s) for s in sets], name, dict(marker='o', color=f'C{i}'))
           for i, name in enumerate(args.layouts)] +
-         [(pairs, [100 * recall[r, n] for n in pairs], f'untrained state: {r}', dict(ls=':', color='gray', marker=m))
-          for r, m in zip(rules, 'x+^')] +
+         [(sorted(set(pairs)), [100 * recall[r, n] for n in sorted(set(pairs))], f'untrained state: {r}',
+           dict(ls=':', color='gray', marker=m)) for r, m in zip(rules, 'x+^')] +
          [([head_dim] * 2, [0, 100], f'head_dim d_k = {head_dim} (the state\'s rank)', dict(color='black', ls='--'))],
-         dict(fontsize=7, loc='upper left', bbox_to_anchor=(1.01, 1)), title='MQAR: recall vs number of pairs (best lr)',
-         xlabel='key-value pairs N in the sequence', ylabel='answers recalled (%)', ylim=(0, 102))
-    trained = table(['layout', 'best lr', *[f"N={n}" + (" (= d_k)" if n == head_dim else "") for n in pairs]],
-                    [f"| {name} | {best[name]:g} | " + " | ".join(f"{100 * acc[name, best[name]][n]:.1f}%" for n in pairs)
-                     + " |" for name in args.layouts])
-    every_lr = table(['layout', *[f"lr {lr:g}" for lr in lrs]],
-                     [f"| {name} | " + " | ".join(f"{100 * mean[name, lr]:.1f}%" if (name, lr) in mean else "not run"
-                                                  for lr in lrs) + " |" for name in args.layouts])
-    untrained = table(['rewrite (one head, no training)', *[f"N={n}" for n in pairs]],
-                      [f"| {r} | " + " | ".join(f"{100 * recall[r, n]:.1f}%" for n in pairs) + " |" for r in rules])
-    swept = ','.join(f'{lr:g}' for lr in lrs)
-    how = (f"at each peak lr ({swept}), the same batches for every run; each layout's best lr by mean recall (as Zoology "
-           "reports its sweep)" if args.lrs else "at each layout's best peak lr of the sweep --lrs=0.001,0.003 (bench.py's "
-           "MQAR_LR), the same batches for every run")
-    return (f"`{command(args, f'--max_iters={args.max_iters}', *[f'--lrs={swept}'] * bool(args.lrs))}` on {machine().rsplit(',', 1)[0]}, "
-            f"one thread a run: data/mqar/prepare.py's data (one token a pair, then every key queried; "
-            f"{shape[0] * len(pairs):,} training sequences of {shape[1]} tokens, N = {', '.join(map(str, pairs))} "
-            f"mixed), a {MQAR['n_layer']}-layer model per layout ({MQAR['n_head']} heads, n_embd {d}, head_dim d_k = "
-            f"{head_dim}, MLP sized to MHA's parameter count; hybrid = 'gated_deltanet+gqa'), {args.max_iters} AdamW "
-            f"step{'s' * (args.max_iters != 1)} of 32 sequences {how}; recall = answers right on 500 held-out "
-            f"sequences per N (chance, a guess among the {VALUES} values: {1 / VALUES:.1%}).\n\n"
-            + trained + "\n![MQAR recall vs pairs](mqar.png)\n" + MORE + "\n**Mean recall over N at each lr** (the "
-            "runs the table above picks from):\n\n" + every_lr + "\n**The state's capacity, no training**: N random "
-            f"unit keys and values (d_k = {head_dim}) written into one head's state by model.py's update, then every key "
-            "read back; recall = the read is nearest its own value (50 trials):\n\n" + untrained)
+         legend, title='MQAR: recall vs number of pairs (best lr)', xlabel='key-value pairs N in the sequence',
+         ylabel=percent, ylim=(0, 102))
+    plot(os.path.join(args.out, 'mqar-state.png'),
+         [([state[name, hard_L]], [100 * mean(name, best[name], sets[-1])], name, dict(marker='o', color=f'C{i}'))
+          for i, name in enumerate(args.layouts)], legend, xscale='log', ylim=(0, 102), ylabel=percent,
+         title=f'MQAR: recall at L = {hard_L}, N = {hard_n} vs the state (Zoology\'s figure)',
+         xlabel=f'state: cache elements a sequence at L = {hard_L} (log)')
+    crossed = lambda name, lr, seed, p: acc[name, lr, seed]['crossed'][p] or '—'
+    per_seed = lambda name, lr, ps=(0.5, 0.9, 0.99): '; '.join('/'.join(str(crossed(name, lr, seed, p)) for p in ps)
+                                                               for seed in seeds)
+    trained = table(['layout', 'best lr', f'state at L = {L}', *[f"L={L_},N={n}" + " (= d_k)" * (n == head_dim)
+                                                                for L_, n in sets], 'steps to 50/90/99%, each seed'],
+                    [f"| {name} | {best[name]:g} | {state[name, L]:,} | " + " | ".join(
+                        f"{100 * mean(name, best[name], s):.1f}%" for s in sets) + f" | {per_seed(name, best[name])} |"
+                     for name in args.layouts])
+    every = sorted({lr for v in lrs.values() for lr in v})
+    every_lr = table(['layout', *[f"lr {lr:g}" for lr in every]],
+                     [f"| {name} | " + " | ".join(f"{100 * mean(name, lr):.1f}% (99% at {per_seed(name, lr, [0.99])})"
+                                                  if lr in lrs[name] else "not run" for lr in every) + " |"
+                      for name in args.layouts])
+    untrained = table(['rewrite (one head, no training)', *[f"N={n}" for n in sorted(set(pairs))]],
+                      [f"| {r} | " + " | ".join(f"{100 * recall[r, n]:.1f}%" for n in sorted(set(pairs))) + " |"
+                       for r in rules])
+    swept = ','.join(f'{lr:g}' for lr in every)
+    minutes = sum(r['seconds'] for r in acc.values()) / 60
+    how = (f"at each peak lr ({swept}), each layout's best kept by mean recall (as Zoology reports its sweep)"
+           if args.lrs else f"at each layout's best peak lr of bench.py's MQAR_LR")
+    given = [f'--{k}={v}' for k, v in (('lrs', swept * bool(args.lrs)), ('seeds', args.seeds * (args.seeds != 2)),
+                                      ('device', args.device * cuda), ('vocab', args.vocab), ('sets', args.sets)) if v]
+    given[-1:] = [f"--sets={','.join(f'{L_}:{n}' for L_, n in sets)}"] if args.sets else given[-1:]
+    return (f"`{command(args, f'--max_iters={args.max_iters}', *given)}` on "
+            f"{machine().rsplit(',', 1)[0]}{', one thread a run' * (not cuda)}: data/mqar/prepare.py's Zoology MQAR "
+            f"(one position a pair; vocabulary {data['vocab']}, {data['train']:,} training sequences per set "
+            f"(L, N) = {', '.join(f'({L_}, {n})' for L_, n in sets)}), a {MQAR['n_layer']}-layer model per layout "
+            f"({MQAR['n_head']} heads, n_embd {MQAR['n_embd']}, head_dim d_k = {head_dim}, learned positions, no short "
+            f"conv, the MLP sized to MHA's parameter count; hybrid = 'gated_deltanet+gqa'), AdamW (weight decay 0.1), "
+            f"batches of {data['batch']} from one set in turn, warmup then cosine to 0 over {args.max_iters} steps, "
+            f"{how}, {args.seeds} seed{'s' * (args.seeds > 1)} each; every 250 steps its recall, stopping at 99%. "
+            f"Recall = answers right on {500} held-out sequences per set, the mean of the seeds; steps to 50/90/99%: "
+            f"the first evaluation at or past it, per seed (—: not reached); chance is 1/{data['vocab'] - data['vocab'] // 2} "
+            f"(a guess among the values). {len(runs)} runs, {minutes:.0f} run-minutes.\n\n"
+            + trained + "\n![MQAR recall vs pairs](mqar.png)\n![MQAR recall vs state](mqar-state.png)\n" + MORE +
+            "\n**Mean recall over the sets at each lr** (the runs the table above picks from):\n\n" + every_lr +
+            "\n**The state's capacity, no training**: N random unit keys and values (d_k = "
+            f"{head_dim}) written into one head's state by model.py's update, then every key read back; recall = the "
+            "read is nearest its own value (50 trials):\n\n" + untrained)
+
 
 # --- the command line ---------------------------------------------------------------------------------------
 
@@ -624,14 +692,21 @@ def main(argv=None):
              'a comma-separated subset (gpu: mha,gqa,mqa,mla,gated_deltanet,hybrid unless given)'),
             ('', 'out', None, str, 'folder for runs, reports and plots (default: out-bench; with --readme: results; '
              'gpu: results/gpu)'),
-            ('train, decode, gpu', 'device', 'cpu', str, 'cpu or cuda[:N]; train on cuda runs the full baby-GPT recipe; '
-             'gpu: cuda unless given'),
-            ('train, convert, mqar', 'max_iters', None, count, "iterations (MHA's for convert): 2000, train on cuda 5000, mqar 3000"),
+            ('train, decode, mqar, gpu', 'device', 'cpu', str, 'cpu or cuda[:N]; train on cuda runs the full baby-GPT '
+             "recipe, mqar Zoology's data; gpu: cuda unless given"),
+            ('train, convert, mqar', 'max_iters', None, count,
+             "iterations (MHA's for convert): 2000, train on cuda 5000, mqar 1500 (on cuda 5000)"),
             ('train, gpu', 'nanogpt', None, str, "nanoGPT's model.py, to time its step next to ours"),
             ('convert', 'fractions', '0,0.01,0.025,0.05,0.1', fractions, 'uptraining, fractions of max_iters'),
             ('convert', 'lr', 1e-3, positive, 'peak learning rate of the uptraining'),
-            ('mqar', 'lrs', None, rates, "peak learning rates, each layout's best kept (default: only each layout's "
-             "best rate of an earlier sweep of 1e-3,3e-3, bench.py's MQAR_LR: half the runs)"),
+            ('mqar', 'lrs', None, rates, "peak learning rates, each layout's best kept (default: each layout's best "
+             "of the sweep 3e-4,1e-3,3e-3, bench.py's MQAR_LR)"),
+            ('mqar', 'seeds', 2, count, 'seeds a run: its initialization and batches'),
+            ('mqar', 'vocab', None, checked(int, lambda v: v >= 4, "give an integer >= 4"),
+             "token ids, keys in the lower half, values in the upper (default: 512, on cuda Zoology's 8192)"),
+            ('mqar', 'sets', None, parse_sets,
+             "(length L, pairs N) of each MQAR set (default: " + ','.join(f'{L}:{n}' for L, n in SETS) +
+             ", on cuda Zoology's " + ','.join(f'{L}:{n}' for L, n in ZOOLOGY['sets']) + ")"),
             ('decode, gpu', 'n_layer', 6, count, 'layers'), ('decode, gpu', 'n_head', 6, count, 'heads'),
             ('decode, gpu', 'n_embd', 384, count, 'width'),
             ('decode, gpu', 'batch', 16, count, 'batch of the roofline (gpu: 64 unless given; and of its training)'),
@@ -669,7 +744,8 @@ def main(argv=None):
     args.out = 'results' if args.readme else args.out or ('results/gpu' if args.mode == 'gpu' else 'out-bench')
     args.layouts = [a for a in LAYOUTS if a in args.layouts]  # in the usual order
     cuda_train = args.mode == 'train' and args.device != 'cpu'
-    args.max_iters = args.max_iters or {'mqar': 3000}.get(args.mode, 5000 if cuda_train else 2000)
+    args.max_iters = args.max_iters or (mqar_data(args)['max_iters'] if args.mode == 'mqar' else
+                                        5000 if cuda_train else 2000)
     check_device(args.device, args.dtype)
     if args.mode in ('decode', 'gpu') and args.device == 'cpu' and args.dtype == 'float16':
         p.error("--dtype=float16 on CPU: no fp16 matmul kernels here (a 2048^2 product took 69 s, 0.13 s in float32); "
@@ -685,13 +761,19 @@ def main(argv=None):
         dtype = getattr(torch, args.dtype)
         cfgs = [GPTConfig(attn=LAYOUTS[a], **sizes) for a in args.layouts] if args.mode in ('decode', 'gpu') else []
         need = sum(num_params(c) for c in cfgs) * dtype.itemsize  # counted, nothing built; all the models at once
+        if args.mode == 'mqar':  # one sequence of each set first: its vocabulary may be too small for its pairs
+            data = mqar_data(args)
+            [zoology(data['vocab'], L, n, 1, np.random.default_rng(0)) for L, n in data['sets']]
+            copies = 1 + (os.cpu_count() or 1)  # x and y in int64, in bench.py and in each worker
+            need = 16 * (data['train'] + 500) * sum(L for L, _ in data['sets']) * copies
         compiled = args.compile or args.mode == 'gpu'
         need += max(sum(c.cache_bytes(args.t + 1, dtype) * args.batch * (1 + compiled) for c in cfgs) +
                     8 * args.batch * (args.t + 1) * len(cfgs),  # the caches, and the token ids
                     sum(c.cache_bytes(max(args.contexts) + 1, dtype) * len(args.contexts) for c in cfgs) +  # full buffers
                     ('mla' in [c.softmax for c in cfgs]) * max(args.contexts) ** 2 * args.n_head * 4)  # MLA's uncached scores
-        check_memory(need, args.device,
-                     f"--t={args.t}, --batch={args.batch}, --contexts, the sizes: weights and caches")
+        what = f"--t={args.t}, --batch={args.batch}, --contexts, the sizes: weights and caches"
+        check_memory(need, 'cpu' if args.mode == 'mqar' else args.device,
+                     "--vocab, --sets: the data in every worker" if args.mode == 'mqar' else what)
         if args.mode in ('train', 'convert') and not os.path.isfile('train.py'):
             raise ValueError(f"{args.mode} runs train.py and config/ from here: run bench.py in its own folder")
         if args.readme and not (start in readme and end in readme):

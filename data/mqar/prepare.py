@@ -1,17 +1,22 @@
 """
-Multi-query associative recall (MQAR; Arora et al. 2023, "Zoology"): the recall test of the linear layouts.
+Multi-query associative recall (MQAR; Arora et al. 2023, "Zoology"): the recall test of bench.py mqar.
 
-A sequence holds N key-value pairs, then the N keys again in a random order; at each query the model must say the
-value its key was paired with. Loss and accuracy count those answers only (the other targets are -1, which the
-model's cross-entropy ignores). One change from Zoology: a pair is one token (id key * VALUES + value), not two,
-so a single attention layer can look it up; Zoology's two-token pairs also need an induction circuit, which our
-tiny CPU models did not learn in minutes (MHA: 45% at N = 4 after 1,500 steps).
+Zoology's data (zoology/data/multiquery_ar.py) in its one-position variant: a sequence of L positions opens with N
+key-value pairs, then each key comes back once as a query, at a gap after the pairs drawn from a power law (near ones
+likelier), with random tokens between; at a query the model must say its key's value. Keys are token ids
+1 .. vocab/2 - 1, values vocab/2 .. vocab - 1, both distinct within a sequence. Loss and accuracy count the answers
+only (the other targets are -1, which the model's cross-entropy ignores).
 
-    token ids: pairs 0 .. KEYS*VALUES-1 | queries (one per key) | answers (one per value) | padding
-    x: p1 p2 ... pN  q1 q2 ... qN  pad ...      y: -1 ... -1  a1 a2 ... aN  -1 ...    (a_i: the value of q_i's pair)
+One position a pair: it holds key * vocab + value, and the model embeds it as emb(key) + emb(value) (bench.py's
+PairEmbedding); a query or a random token t is t * vocab, emb(t) + emb(0) (0 is never a key or a value). Zoology's
+two-token pairs (k v k v ...) also need an induction step, which Zoology's models get from a short conv in front of
+every mixer; ours have none in front of softmax attention, so with two tokens the test would measure that conv, not
+what a layout's state holds. One position keeps the lookup, and needs no embedding per (key, value) pair.
 
-    python data/mqar/prepare.py                      # data/mqar/mqar.npz: N = 4, 8, 16, 24, 32, padded to 64 tokens
-    python data/mqar/prepare.py --pairs=8,16 --train=20000 --val=500 --seed=1
+    x: k1*V+v1 ... kN*V+vN  t*V ... k7*V ... t*V ... k2*V ...     y: -1 ... -1  -1 ... v7 ... -1 ... v2 ...
+
+    python data/mqar/prepare.py                                   # data/mqar/mqar.npz: bench.py mqar's CPU sets
+    python data/mqar/prepare.py --vocab=8192 --sets=64:4,128:8,256:16,512:64 --train=100000   # Zoology's
 """
 import errno
 import json
@@ -26,36 +31,17 @@ if __name__ == '__main__':  # first: Ctrl-C or a kill during the slow imports be
     exit_on_signals()  # (a kill mid-write leaves no temp file)
 import numpy as np  # noqa: E402
 
-from configurator import Parser, checked  # noqa: E402
+from configurator import Parser, check_memory, checked  # noqa: E402
 
-KEYS, VALUES = 32, 16
-QUERY, ANSWER = KEYS * VALUES, KEYS * VALUES + KEYS  # the first query id, the first answer id
-PAD = ANSWER + VALUES
-VOCAB = PAD + 1
-
-
-def sequences(n_pairs, count, rng, length=None):
-    """(x, y), int64 (count, length or 2 n_pairs): N pairs with distinct keys, then their keys in a random order."""
-    length = length or 2 * n_pairs
-    if not 1 <= n_pairs <= KEYS or length < 2 * n_pairs:
-        raise ValueError(f"{n_pairs} pairs in {length} tokens: give 1 to {KEYS} pairs (each key appears once), "
-                         f"and 2 tokens a pair")
-    k = np.argsort(rng.random((count, KEYS)), axis=1)[:, :n_pairs]        # distinct keys per sequence
-    v = rng.integers(0, VALUES, (count, n_pairs))                          # values, repeats allowed
-    order = np.argsort(rng.random((count, n_pairs)), axis=1)               # the queries, in a random order
-    x, y = np.full((count, length), PAD, dtype=np.int64), np.full((count, length), -1, dtype=np.int64)
-    x[:, :n_pairs] = k * VALUES + v
-    x[:, n_pairs:2 * n_pairs] = QUERY + np.take_along_axis(k, order, 1)
-    y[:, n_pairs:2 * n_pairs] = ANSWER + np.take_along_axis(v, order, 1)
-    return x, y
+SETS = ((64, 4), (64, 8), (128, 16), (128, 32), (256, 64))  # (L, N): the CPU default; Zoology's in bench.py
 
 
 def zoology(vocab, length, n_pairs, count, rng, power_a=0.01):
-    """(x, y), int64 (count, length): Zoology's MQAR (multiquery_ar.py) in its one-position variant, the layout #45
-    moves to. Keys are ids 1 .. vocab/2 - 1, values vocab/2 .. vocab - 1, both distinct within a sequence; the N pairs
-    come first, one position each, packed as key * vocab + value (the model embeds key + value there); then each key
-    alone (key * vocab) at a gap after the pairs drawn from Zoology's power law (p(gap) ~ gap^(power_a - 1): near
-    ones likelier), and random tokens (token * vocab) between. y: the pair's value at its key's query, else -1."""
+    """(x, y), int64 (count, length): Zoology's MQAR (multiquery_ar.py) in its one-position variant. Keys are ids
+    1 .. vocab/2 - 1, values vocab/2 .. vocab - 1, both distinct within a sequence; the N pairs come first, one
+    position each, packed as key * vocab + value (the model embeds key + value there); then each key alone
+    (key * vocab) at a gap after the pairs drawn from Zoology's power law (p(gap) ~ gap^(power_a - 1): near ones
+    likelier), and random tokens (token * vocab) between. y: the pair's value at its key's query, else -1."""
     half, space = vocab // 2, length - n_pairs
     if not (n_pairs <= min(half - 1, vocab - half) and n_pairs <= space):
         raise ValueError(f"{n_pairs} pairs in {length} tokens of a {vocab}-token vocabulary: give at most "
@@ -73,19 +59,19 @@ def zoology(vocab, length, n_pairs, count, rng, power_a=0.01):
     return x, y
 
 
-def prepare(out_dir, pairs=(4, 8, 16, 24, 32), train=20000, val=500, seed=0):
-    """out_dir/mqar.npz: train_x_N, train_y_N, val_x_N, val_y_N per N, all padded to 2 max(N); and mqar.json."""
-    rng, length = np.random.default_rng(seed), 2 * max(pairs)
-    arrays = {}
-    for n in pairs:
-        for split, count in (('train', train), ('val', val)):
-            arrays[f'{split}_x_{n}'], arrays[f'{split}_y_{n}'] = sequences(n, count, rng, length)
+def prepare(out_dir, vocab=512, sets=SETS, train=20000, val=500, seed=0, power_a=0.01):
+    """out_dir/mqar.npz: train_x_L_N, train_y_L_N, val_x_L_N, val_y_L_N per (L, N) of sets; and mqar.json."""
+    rng, arrays = np.random.default_rng(seed), {}
+    for L, n in sets:
+        for split, count in (('train', train), ('val', val)):  # in blocks: the key draw sorts vocab/2 numbers a row
+            xy = [zoology(vocab, L, n, min(1000, count - i), rng, power_a) for i in range(0, count, 1000)]
+            arrays[f'{split}_x_{L}_{n}'], arrays[f'{split}_y_{L}_{n}'] = (np.concatenate(a) for a in zip(*xy))
     os.makedirs(out_dir, exist_ok=True)
     for name in ('mqar.npz', 'mqar.json'):  # a folder in the way: refused before either file is replaced
         if os.path.isdir(os.path.join(out_dir, name)):
             raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR), os.path.join(out_dir, name))
-    meta = dict(kind='mqar', vocab_size=VOCAB, keys=KEYS, values=VALUES, pairs=list(pairs), length=length,
-                train=train, val=val, seed=seed)
+    meta = dict(kind='mqar', vocab=vocab, sets=[list(s) for s in sets], train=train, val=val, seed=seed,
+                power_a=power_a)
     tmp = os.path.join(out_dir, f'.tmp{os.getpid()}')
     try:
         with open(tmp + '.npz', 'wb') as f:  # temp files, then renames: never half a data set
@@ -101,20 +87,47 @@ def prepare(out_dir, pairs=(4, 8, 16, 24, 32), train=20000, val=500, seed=0):
     return os.path.join(out_dir, 'mqar.npz')
 
 
+def load(path):
+    """{(L, N): (train_x, train_y, val_x, val_y)} of a prepare()d file, as numpy arrays."""
+    data = np.load(path)
+    sets = sorted({tuple(int(s) for s in k.split('_')[-2:]) for k in data.files})
+    return {(L, n): tuple(data[f'{split}_{xy}_{L}_{n}'] for split in ('train', 'val') for xy in 'xy') for L, n in sets}
+
+
+def sets_flag(text):
+    """--sets: '64:4,128:8' -> ((64, 4), (128, 8)), sorted by L then N."""
+    return tuple(sorted({tuple(int(s) for s in item.split(':')) for item in text.split(',')}))
+
+
+parse_sets = checked(sets_flag, lambda v: all(len(s) == 2 and 1 <= s[1] < s[0] for s in v),
+                     "give L:N pairs, N >= 1 pairs in L > N positions, comma-separated")
+
+
 def main():
-    count = checked(int, lambda v: 1 <= v <= 10 ** 6, "give an integer from 1 to 1,000,000")
-    pairs = checked(lambda s: sorted({int(x) for x in s.split(',')}), lambda v: 1 <= v[0] and v[-1] <= KEYS,
-                    f"give integers from 1 to {KEYS}, comma-separated")
+    count = checked(int, lambda v: v >= 1, "give an integer >= 1")
     p = Parser(prog='data/mqar/prepare.py', description=__doc__)
-    p.add_argument('--pairs', type=pairs, default='4,8,16,24,32', help='numbers of pairs N (default: 4,8,16,24,32)')
-    p.add_argument('--train', type=count, default=20000, help='training sequences per N (default: 20000)')
-    p.add_argument('--val', type=count, default=500, help='validation sequences per N (default: 500)')
+    p.add_argument('--vocab', type=checked(int, lambda v: v >= 4, "give an integer >= 4"), default=512,
+                   help='token ids: keys in its lower half, values in its upper (default: 512; Zoology: 8192)')
+    cpu = ','.join(f'{L}:{n}' for L, n in SETS)
+    p.add_argument('--sets', type=parse_sets, default=cpu,
+                   help=f'(length L, pairs N) of each set (default: {cpu}; Zoology: 64:4,128:8,256:16,512:64)')
+    p.add_argument('--train', type=count, default=20000, help='training sequences per set (default: 20000)')
+    p.add_argument('--val', type=count, default=500, help='validation sequences per set (default: 500)')
+    p.add_argument('--power_a', type=checked(float, lambda v: 0 < v <= 1, "give a number in (0, 1]"), default=0.01,
+                   help="the gaps' power law, p(gap) ~ gap^(power_a - 1) (default: Zoology's 0.01)")
     seed = checked(int, lambda v: v >= 0, "give an integer >= 0")
     p.add_argument('--seed', type=seed, default=0, help='(default: 0)')
     p.add_argument('--out_dir', default=os.path.dirname(os.path.abspath(__file__)), help='(default: data/mqar)')
     args = p.parse_args()
-    asked, before, settings = dict(pairs=args.pairs, train=args.train, val=args.val, seed=args.seed), None, \
-        os.path.join(args.out_dir, 'mqar.json')
+    try:  # one sequence of each set: a vocabulary too small for its pairs is refused before anything is built
+        [zoology(args.vocab, L, n, 1, np.random.default_rng(0)) for L, n in args.sets]
+    except ValueError as e:
+        p.error(f"--vocab={args.vocab}, --sets: {e}")
+    check_memory(16 * (args.train + args.val) * sum(L for L, _ in args.sets), 'cpu',
+                 f"--train={args.train}, --val={args.val} and --sets")  # x and y, int64: counted, nothing built
+    asked = dict(vocab=args.vocab, sets=[list(s) for s in args.sets], train=args.train, val=args.val, seed=args.seed,
+                 power_a=args.power_a)
+    before, settings = None, os.path.join(args.out_dir, 'mqar.json')
     try:  # a data set there before is replaced: say which, so that another one is not lost unnoticed
         if os.path.isfile(settings):  # (a FIFO there would block the read)
             with open(settings) as f:
@@ -124,7 +137,7 @@ def main():
     replacing = os.path.isfile(os.path.join(args.out_dir, 'mqar.npz')) and before != asked
     said = f"the data set made with {before}" if before else "a data set of unknown settings (no readable mqar.json)"
     try:
-        print(f"wrote {prepare(args.out_dir, args.pairs, args.train, args.val, args.seed)}"
+        print(f"wrote {prepare(args.out_dir, args.vocab, args.sets, args.train, args.val, args.seed, args.power_a)}"
               + f" (replacing {said})" * replacing)
     except OSError as e:
         p.error(f"--out_dir {args.out_dir!r}: {e.strerror or e}" + (f": {e.filename}" if e.filename else ""))

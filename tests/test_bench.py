@@ -291,27 +291,66 @@ def test_generation_agreement_tells_a_near_tie_from_a_difference():
 def test_mqar_report_on_a_tiny_run(tmp_path):
     (tmp_path / 'mqar').mkdir()
     (tmp_path / 'mqar' / 'mqar.npz').write_text('a data set of the user')  # --out=data would hold data/mqar/mqar.npz
-    out = bench('mqar', '--layouts=mha,deltanet,hybrid', '--max_iters=3', '--lrs=3e-3,1e-3', f'--out={tmp_path}')
+    tiny = ['--vocab=16', '--sets=12:2,16:4']
+    out = bench('mqar', '--layouts=mha,deltanet,hybrid', '--max_iters=3', '--lrs=3e-3,1e-3', *tiny, f'--out={tmp_path}')
     assert out.startswith(saved(tmp_path / 'mqar.md')) and (tmp_path / 'mqar.png').stat().st_size > 10_000
+    assert (tmp_path / 'mqar-state.png').stat().st_size > 10_000
     assert (tmp_path / 'mqar' / 'mqar.npz').read_text() == 'a data set of the user'  # bench's own data: made, deleted
-    assert sorted(p.name for p in tmp_path.iterdir()) == ['mqar', 'mqar.md', 'mqar.png']
-    rows = re.findall(r"^\| (mha|deltanet|hybrid) \| (0.001|0.003) \| ([\d.]+)% \| ([\d.]+)% \| ([\d.]+)% \| ([\d.]+)% \| "
-                      r"([\d.]+)% \|$", out, re.M)  # each layout's best lr, then its recall per N
-    assert [r[0] for r in rows] == ['mha', 'deltanet', 'hybrid'] and all(0 <= float(p) <= 100 for r in rows for p in r[2:])
-    means = dict(re.findall(r"^\| (mha|deltanet|hybrid) \| ([\d.]+)% \| [\d.]+% \|$", out, re.M))  # at each lr
-    for name, lr, *recall in rows:  # the best lr's row: its mean is the larger of the two
-        mean = sum(float(p) for p in recall) / len(recall)
-        assert abs(mean - max(map(float, re.search(rf"^\| {name} \| ([\d.]+)% \| ([\d.]+)% \|$", out, re.M).groups()))) < 0.1
-    assert means.keys() == {'mha', 'deltanet', 'hybrid'} and '--lrs=0.001,0.003' in out
-    assert 'N=16 (= d_k)' in out  # the state's rank marked
-    default = bench('mqar', '--layouts=mha,deltanet', '--max_iters=3', f'--out={tmp_path / "default"}')
-    best = re.findall(r"^\| (mha|deltanet) \| (0.00\d) \| (.*)$", default, re.M)  # each at its lr of bench's MQAR_LR
-    assert [b[:2] for b in best] == [('mha', str(bench_module.MQAR_LR['mha'])), ('deltanet', '0.001')]
-    for name, lr, recall in best:  # the same run as the sweep's at that lr: the same recall
-        swept = re.search(rf"^\| {name} \| ([\d.]+)% \| ([\d.]+)% \|$", out, re.M).groups()[lr == '0.003']
-        assert abs(sum(float(p) for p in re.findall(r"([\d.]+)%", recall)) / 5 - float(swept)) < 0.1
-    assert re.search(r"^\| mha \| not run \| [\d.]+% \|$", default, re.M)
-    assert default.startswith('`python bench.py mqar --max_iters=3 --layouts=mha,deltanet` on ')  # no --lrs: the default
+    assert sorted(p.name for p in tmp_path.iterdir()) == ['mqar', 'mqar-state.png', 'mqar.md', 'mqar.png']
+    rows = re.findall(r"^\| (mha|deltanet|hybrid) \| (0.001|0.003) \| ([\d,]+) \| ([\d.]+)% \| ([\d.]+)% \| "
+                      r"(\S+/\S+/\S+); (\S+/\S+/\S+) \| (\S+) \|$", out, re.M)  # best lr, state, recall per set, steps per seed
+    assert [r[0] for r in rows] == ['mha', 'deltanet', 'hybrid'] and all(0 <= float(p) <= 100 for r in rows for p in r[3:5])
+    H, d_k, L = 4, 16, 16  # the state at the longest set, counted here: K and V per token, or a d_k x d_k matrix a head
+    assert [int(r[2].replace(',', '')) for r in rows] == [2 * 2 * H * d_k * L, 2 * H * d_k * d_k,  # (GQA: 2 K/V heads)
+                                                          H * d_k * d_k + 2 * 2 * d_k * L]
+    for name, lr, _, *recall, steps0, steps1, gained in rows:  # the best lr's row: its mean is the larger of the two
+        at = re.search(rf"^\| {name} \| ([\d.]+)% \(99% at (\S+); (\S+)\) \| ([\d.]+)% \(99% at .*\) \|$", out, re.M)
+        means = float(at.group(1)), float(at.group(4))  # at lr 0.001, 0.003
+        assert abs(sum(float(p) for p in recall) / 2 - max(means)) < 0.1 and lr == ('0.001', '0.003')[means[1] > means[0]]
+        assert steps0 == steps1 == '—/—/—' and gained == '—'  # 3 steps: nothing crossed, one evaluation
+    assert '--lrs=0.001,0.003' in out and '--vocab=16 --sets=12:2,16:4' in out and 'L=16,N=4' in out
+    default = bench('mqar', '--layouts=mha,deltanet', '--max_iters=3', *tiny, f'--out={tmp_path / "default"}')
+    best = re.findall(r"^\| (mha|deltanet) \| (0.00\d+) \| [\d,]+ \| ([\d.]+)% \| ([\d.]+)% \|", default, re.M)
+    assert [b[:2] for b in best] == [(name, f"{bench_module.MQAR_LR.get(name, 1e-3):g}") for name in ('mha', 'deltanet')]
+    for name, lr, *recall in best:  # the same runs as the sweep's at that lr: the same recall
+        if lr in ('0.001', '0.003'):
+            swept = re.search(rf"^\| {name} \| ([\d.]+)% .* \| ([\d.]+)% .* \|$", out, re.M).groups()[lr == '0.003']
+            assert abs(sum(float(p) for p in recall) / 2 - float(swept)) < 0.1
+    assert default.startswith('`python bench.py mqar --max_iters=3 --vocab=16 --sets=12:2,16:4 --layouts=mha,deltanet` on ')
+
+
+def test_mqar_run_stops_at_99_percent_and_records_its_crossings(tmp_path):
+    """The protocol on a tiny set: MHA learns the lookup in a few dozen steps, stops at its first evaluation past 99%
+    and says when it crossed 50/90/99%; a run that cannot learn (lr 1e-9) stops at max_iters with no crossing."""
+    from data.mqar.prepare import prepare
+    path = prepare(str(tmp_path), vocab=16, sets=((12, 2), (16, 4)), train=2000, val=100)
+    r = bench_module.mqar_run(path, 'mha', 1e-2, 0, 600, 32, 'cpu', 'tiny', eval_every=25)
+    assert r['steps'] < 600 and r['curve'][-1] == (r['steps'], pytest.approx(sum(r['recall'].values()) / 2))
+    assert min(r['recall'].values()) > 0.95 and r['crossed'][0.99] == r['steps']  # stopped where it crossed 99%
+    assert all(m < 0.99 for _, m in r['curve'][:-1]) and list(r['recall']) == [(12, 2), (16, 4)]
+    first = lambda p: next(it for it, m in r['curve'] if m >= p)
+    assert [r['crossed'][p] for p in (0.5, 0.9)] == [first(0.5), first(0.9)]
+    stuck = bench_module.mqar_run(path, 'mha', 1e-9, 0, 60, 32, 'cpu', 'stuck', eval_every=25)
+    assert stuck['steps'] == 60 and [it for it, _ in stuck['curve']] == [25, 50, 60]
+    assert stuck['crossed'] == {0.5: None, 0.9: None, 0.99: None} and max(stuck['recall'].values()) < 0.2
+
+
+def test_mqar_recall_counts_the_answers_only_and_the_pair_embedding_adds_key_and_value():
+    """Recall: argmax == target at the answers (y >= 0), nowhere else; a model that is right at every other answer
+    scores 50%. A position key * vocab + value is embedded as the tied wte's key row + value row."""
+    y = torch.full((4, 10), -1)
+    y[:, [3, 5, 6, 9]] = torch.tensor([9, 10, 11, 12])
+
+    class HalfRight(torch.nn.Module):  # right at answers 3 and 6, wrong at 5 and 9 and everywhere else
+        def forward(self, x, targets):
+            right = torch.where(torch.isin(torch.arange(10), torch.tensor([3, 6])), targets.clamp(min=0), 0)
+            return torch.nn.functional.one_hot(right, 16).float(), None
+    sets = {(10, 4): (None, None, torch.zeros(4, 10, dtype=torch.long), y)}
+    assert bench_module.mqar_recall(HalfRight(), sets) == {(10, 4): 0.5}
+    model = bench_module.mqar_model('gqa', 16, 10)
+    w = model.lm_head.weight
+    assert model.transformer.wte(torch.tensor([3 * 16 + 12])).squeeze().equal(w[3] + w[12])
+    assert model.transformer.wte.wte.weight is w  # still tied to the output layer
 
 
 def test_capacity_of_an_untrained_state():

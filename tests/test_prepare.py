@@ -121,23 +121,6 @@ def test_your_own_text_in_two_commands(tmp_path):
     assert json.load(open(tmp_path / 'mine' / 'meta.json'))['itos'][-1] == '☃'
 
 
-def test_mqar_sequences_pair_every_query_with_its_value():
-    """Written out independently: N pairs with distinct keys, then each key once as a query, the target at a query is
-    the value its key was paired with, -1 everywhere else (padding included)."""
-    import numpy as np
-    from data.mqar.prepare import sequences, KEYS, VALUES, QUERY, ANSWER, PAD
-    x, y = sequences(5, 200, np.random.default_rng(0), length=16)
-    assert x.shape == y.shape == (200, 16)
-    for row_x, row_y in zip(x, y):
-        pairs = {int(t) // VALUES: int(t) % VALUES for t in row_x[:5]}
-        assert len(pairs) == 5 and all(t < KEYS * VALUES for t in row_x[:5])  # distinct keys
-        queries = [int(t) - QUERY for t in row_x[5:10]]
-        assert sorted(queries) == sorted(pairs)                                 # every key asked once
-        assert [int(t) - ANSWER for t in row_y[5:10]] == [pairs[q] for q in queries]
-        assert (row_y[:5] == -1).all() and (row_y[10:] == -1).all() and (row_x[10:] == PAD).all()
-    assert len({tuple(r) for r in x[:, 5:10] - QUERY}) > 100  # queries come in random orders
-
-
 def test_zoology_layout_queries_every_key_once_after_its_pairs_with_power_law_gaps():
     """Zoology's MQAR, one position a pair (key * vocab + value): distinct keys and values in their halves of the
     vocabulary, each key queried once after the pairs (value 0 there) with its pair's value as the target, -1
@@ -160,34 +143,42 @@ def test_zoology_layout_queries_every_key_once_after_its_pairs_with_power_law_ga
         zoology(vocab, 10, 8, 1, np.random.default_rng(0))  # 8 pairs leave 2 query positions
 
 
-def test_mqar_prepare_writes_every_n_and_refuses_bad_input(tmp_path):
+def test_mqar_prepare_writes_every_set_and_refuses_bad_input(tmp_path):
     import json
     import subprocess
     import sys
     import numpy as np
     from conftest import ROOT
+    from data.mqar.prepare import load
     script = os.path.join(ROOT, 'data', 'mqar', 'prepare.py')
-    r = subprocess.run([sys.executable, script, '--pairs=2,6', '--train=30', '--val=7', f'--out_dir={tmp_path}'],
-                       capture_output=True, text=True)
+    run = lambda *a: subprocess.run([sys.executable, script, *a, f'--out_dir={tmp_path}'], capture_output=True, text=True)
+    r = run('--vocab=32', '--sets=12:2,20:6', '--train=2500', '--val=7', '--power_a=0.5')
     assert r.returncode == 0, r.stderr
-    data = np.load(tmp_path / 'mqar.npz')
-    assert data['train_x_2'].shape == (30, 12) and data['val_y_6'].shape == (7, 12)  # padded to 2 max(N)
-    assert json.loads((tmp_path / 'mqar.json').read_text())['pairs'] == [2, 6]
+    sets = load(tmp_path / 'mqar.npz')
+    assert list(sets) == [(12, 2), (20, 6)] and sets[12, 2][0].shape == (2500, 12) and sets[20, 6][3].shape == (7, 20)
+    x, y = sets[20, 6][:2]
+    assert (x[:, :6] // 32 < 16).all() and (x[:, :6] % 32 >= 16).all() and ((y >= 0).sum(1) == 6).all()
+    assert len({tuple(row) for row in x[:, :6]}) > 2400  # rows drawn afresh, block after block (1,000 at a time)
+    assert json.loads((tmp_path / 'mqar.json').read_text()) == dict(
+        kind='mqar', vocab=32, sets=[[12, 2], [20, 6]], train=2500, val=7, seed=0, power_a=0.5)
     (tmp_path / 'meta.json').write_text('another data set')  # never overwritten: MQAR writes mqar.json
-    for bad in ('--pairs=0', '--pairs=33', '--pairs=x', '--train=0', '--seed=-1', '--train=99999999'):
-        r = subprocess.run([sys.executable, script, bad, f'--out_dir={tmp_path}'], capture_output=True, text=True)
+    for bad in ('--sets=8:0', '--sets=8:8', '--sets=8', '--sets=x', '--train=0', '--seed=-1', '--power_a=0',
+                '--vocab=3', '--vocab=8 --sets=64:4', '--train=999999999999'):
+        r = run(*bad.split())
         assert r.returncode == 2 and len(r.stderr.strip().splitlines()) <= 3 and 'Traceback' not in r.stderr, r.stderr
         assert 'python python' not in r.stderr
+    assert "give at most 3 pairs" in run('--vocab=8', '--sets=64:4').stderr  # the vocabulary's halves: 3 keys
+    assert "need at least" in run('--train=999999999999').stderr  # counted before anything is built
     assert (tmp_path / 'meta.json').read_text() == 'another data set'
-    for pairs, said in (('2,6', False), ('3', True)):  # the same data set again: silent; another: says what it replaced
-        r = subprocess.run([sys.executable, script, f'--pairs={pairs}', '--train=30', '--val=7', f'--out_dir={tmp_path}'],
-                           capture_output=True, text=True)
-        assert r.returncode == 0 and ("replacing the data set made with {'pairs': [2, 6]" in r.stdout) == said, r.stdout
+    for sets, said in (('12:2,20:6', False), ('12:3', True)):  # the same data set: silent; another: what it replaced
+        r = run('--vocab=32', f'--sets={sets}', '--train=2500', '--val=7', '--power_a=0.5')
+        assert r.returncode == 0 and ("replacing the data set made with {'vocab': 32, 'sets': [[12, 2], [20, 6]]"
+                                      in r.stdout) == said, r.stdout
     (tmp_path / 'mqar.json').write_text('[1]')  # its settings unreadable: still said
-    r = subprocess.run([sys.executable, script, '--pairs=3', '--train=30', f'--out_dir={tmp_path}'], capture_output=True, text=True)
+    r = run('--vocab=32', '--sets=12:3', '--train=30')
     assert r.returncode == 0 and 'replacing a data set of unknown settings' in r.stdout, r.stdout
     (tmp_path / 'mqar.json').unlink()
     (tmp_path / 'mqar.json').mkdir()  # a folder in the way: refused before mqar.npz is replaced
     kept = (tmp_path / 'mqar.npz').read_bytes()
-    r = subprocess.run([sys.executable, script, '--pairs=5', f'--out_dir={tmp_path}'], capture_output=True, text=True)
+    r = run('--vocab=32', '--sets=12:5', '--train=30')
     assert r.returncode == 2 and 'Is a directory' in r.stderr and (tmp_path / 'mqar.npz').read_bytes() == kept, r.stderr

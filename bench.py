@@ -526,10 +526,10 @@ class PairEmbedding(torch.nn.Module):
     def forward(self, idx):
         return self.wte(idx // self.vocab) + self.wte(idx % self.vocab)
 
-def mqar_model(name, vocab, block_size, n_embd=MQAR['n_embd']):
+def mqar_model(name, vocab, block_size, conv=1):
     attn = {**LAYOUTS, 'hybrid': 'gated_deltanet+gqa'}[name]  # (1:1 on 2 layers)
-    no_conv = dict(conv_size=1) if 'conv_size' in GPTConfig(attn=attn).used_fields() else {}  # (1 tap: none)
-    model = GPT(GPTConfig(attn=attn, vocab_size=vocab, block_size=block_size, **MQAR | no_conv | {'n_embd': n_embd}))
+    taps = dict(conv_size=conv) if 'conv_size' in GPTConfig(attn=attn).used_fields() else {}  # (1 tap: no conv)
+    model = GPT(GPTConfig(attn=attn, vocab_size=vocab, block_size=block_size, **MQAR, **taps))
     model.transformer.wte = PairEmbedding(model.transformer.wte, vocab)
     return model
 
@@ -542,7 +542,7 @@ def mqar_recall(model, sets):
     model.train()
     return {s: torch.stack(r).mean().item() for s, r in right.items()}
 
-def mqar_run(path, name, lr, seed, max_iters, batch, device, label, eval_every=250, stop=0.99):
+def mqar_run(path, name, lr, seed, max_iters, batch, device, label, conv=1, eval_every=250, stop=0.99):
     """One layout trained on every (L, N) set of path at one peak lr and seed, as Zoology does: AdamW (weight decay
     0.1), warmup then cosine to 0, a batch of one set per step in turn; every eval_every steps its recall, stopping at
     stop. On one thread as a worker of mqar_report's pool: its numbers never depend on the machine's core count."""
@@ -550,7 +550,7 @@ def mqar_run(path, name, lr, seed, max_iters, batch, device, label, eval_every=2
     sets = {s: [torch.from_numpy(a).to(device) for a in arrays] for s, arrays in load(path).items()}
     vocab = int(json.load(open(os.path.join(os.path.dirname(path), 'mqar.json')))['vocab'])
     torch.manual_seed(seed)
-    model = mqar_model(name, vocab, max(L for L, _ in sets)).to(device)
+    model = mqar_model(name, vocab, max(L for L, _ in sets), conv).to(device)
     decay = [p for p in model.parameters() if p.dim() >= 2]  # as train.py: matrices and embeddings decay
     opt = torch.optim.AdamW([{'params': decay}, {'params': [p for p in model.parameters() if p.dim() < 2],
                                                  'weight_decay': 0.0}], lr=lr, betas=(0.9, 0.98), weight_decay=0.1)
@@ -594,7 +594,7 @@ def mqar_report(args):
     acc = {}
     with ProcessPoolExecutor(workers, mp_context=get_context('spawn')) as pool:  # (spawn: forked torch threads hang)
         todo = {pool.submit(mqar_run, path, *run, args.max_iters, data['batch'], args.device,
-                            f"run {k} of {len(runs)} ({run[0]}, lr {run[1]:g}, seed {run[2]})"): run
+                            f"run {k} of {len(runs)} ({run[0]}, lr {run[1]:g}, seed {run[2]})", args.conv_size): run
                 for k, run in enumerate(runs, 1)}
         for done in as_completed(todo):
             acc[todo[done]] = done.result()
@@ -605,7 +605,7 @@ def mqar_report(args):
     best = {name: max(lrs[name], key=lambda lr: (min(mean(name, lr), 0.99), -steps(name, lr)))  # past 99%: the fastest
             for name in args.layouts}
     head_dim, L = MQAR['n_embd'] // MQAR['n_head'], max(L for L, _ in sets)
-    cfg = {name: mqar_model(name, data['vocab'], L).config for name in args.layouts}
+    cfg = {name: mqar_model(name, data['vocab'], L, args.conv_size).config for name in args.layouts}
     state = {(name, L_): cfg[name].cache_elements(L_) for name in args.layouts for L_, _ in sets}
     pairs, (hard_L, hard_n) = [n for _, n in sets], sets[-1]
     rules, recall = capacity(head_dim, sorted(set(pairs)))
@@ -649,20 +649,23 @@ def mqar_report(args):
     minutes = sum(r['seconds'] for r in acc.values()) / 60
     how = (f"at each peak lr ({swept}), each layout's best kept by mean recall (as Zoology reports its sweep)"
            if args.lrs else f"at each layout's best peak lr of bench.py's MQAR_LR")
-    given = [f'--{k}={v}' for k, v in (('lrs', swept * bool(args.lrs)), ('seeds', args.seeds * (args.seeds != 2)),
-                                      ('device', args.device * cuda), ('vocab', args.vocab), ('sets', args.sets)) if v]
-    given[-1:] = [f"--sets={','.join(f'{L_}:{n}' for L_, n in sets)}"] if args.sets else given[-1:]
+    given = dict(lrs=args.lrs and swept, seeds=args.seeds != 2 and args.seeds, conv_size=args.conv_size > 1 and
+                 args.conv_size, device=cuda and args.device, vocab=args.vocab,
+                 sets=args.sets and ','.join(f'{L_}:{n}' for L_, n in sets))
+    given = [f'--{k}={v}' for k, v in given.items() if v]  # the flags given, and the lrs swept
+    conv = (f"a short conv of {args.conv_size} taps in front of the linear mixers (softmax attention has none)"
+            if args.conv_size > 1 else "no short conv")
     return (f"`{command(args, f'--max_iters={args.max_iters}', *given)}` on "
             f"{machine().rsplit(',', 1)[0]}{', one thread a run' * (not cuda)}: data/mqar/prepare.py's Zoology MQAR "
             f"(one position a pair; vocabulary {data['vocab']}, {data['train']:,} training sequences per set "
             f"(L, N) = {', '.join(f'({L_}, {n})' for L_, n in sets)}), a {MQAR['n_layer']}-layer model per layout "
-            f"({MQAR['n_head']} heads, n_embd {MQAR['n_embd']}, head_dim d_k = {head_dim}, learned positions, no short "
-            f"conv, the MLP sized to MHA's parameter count; hybrid = 'gated_deltanet+gqa'), AdamW (weight decay 0.1), "
+            f"({MQAR['n_head']} heads, n_embd {MQAR['n_embd']}, head_dim d_k = {head_dim}, learned positions, {conv}, "
+            f"the MLP sized to MHA's parameter count; hybrid = 'gated_deltanet+gqa'), AdamW (weight decay 0.1), "
             f"batches of {data['batch']} from one set in turn, warmup then cosine to 0 over {args.max_iters} steps, "
             f"{how}, {args.seeds} seed{'s' * (args.seeds > 1)} each; every 250 steps its recall, stopping at 99%. "
-            f"Recall = answers right on {500} held-out sequences per set, the mean of the seeds; steps to 50/90/99%: "
-            f"the first evaluation at or past it, per seed (—: not reached); chance is 1/{data['vocab'] - data['vocab'] // 2} "
-            f"(a guess among the values). {len(runs)} runs, {minutes:.0f} run-minutes.\n\n"
+            f"Recall = answers right on 500 held-out sequences per set, the mean of the seeds (chance: a guess among "
+            f"the {data['vocab'] - data['vocab'] // 2} values); steps to 50/90/99%: the first evaluation at or past it, "
+            f"per seed (—: not reached). {len(runs)} runs, {minutes:.0f} run-minutes.\n\n"
             + trained + "\n![MQAR recall vs pairs](mqar.png)\n![MQAR recall vs state](mqar-state.png)\n" + MORE +
             "\n**Mean recall over the sets at each lr** (the runs the table above picks from):\n\n" + every_lr +
             "\n**The state's capacity, no training**: N random unit keys and values (d_k = "
@@ -708,6 +711,8 @@ def main(argv=None):
             ('mqar', 'lrs', None, rates, "peak learning rates, each layout's best kept (default: each layout's best "
              "of the sweep 3e-4,1e-3,3e-3, bench.py's MQAR_LR)"),
             ('mqar', 'seeds', 2, count, 'seeds a run: its initialization and batches'),
+            ('mqar', 'conv_size', 1, count, "taps of the linear layouts' short conv (default 1: none, as in front "
+             "of softmax attention)"),
             ('mqar', 'vocab', None, checked(int, lambda v: v >= 4, "give an integer >= 4"),
              "token ids, keys in the lower half, values in the upper (default: 512, on cuda Zoology's 8192)"),
             ('mqar', 'sets', None, parse_sets,

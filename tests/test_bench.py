@@ -351,6 +351,10 @@ def test_mqar_recall_counts_the_answers_only_and_the_pair_embedding_adds_key_and
     w = model.lm_head.weight
     assert model.transformer.wte(torch.tensor([3 * 16 + 12])).squeeze().equal(w[3] + w[12])
     assert model.transformer.wte.wte.weight is w  # still tied to the output layer
+    taps = lambda name, *conv: [b.attn.conv.size(0) for b in bench_module.mqar_model(name, 16, 10, *conv)
+                                .transformer.h if hasattr(b.attn, 'conv')]  # (taps, channels) a linear layer
+    assert taps('deltanet') == [1, 1] and taps('deltanet', 4) == [4, 4] and taps('hybrid', 4) == [4]
+    assert taps('mha', 4) == [] and bench_module.mqar_model('hybrid', 16, 10).config.pos_emb == 'learned'  # for all
 
 
 def test_capacity_of_an_untrained_state():

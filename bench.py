@@ -36,7 +36,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from checkpoint import FileError, write_atomic
 from configurator import Parser, check_device, check_memory, checked, describe, fail, parse_value
-from data.mqar.prepare import SETS, load, parse_sets, prepare, zoology
+from data.mqar.prepare import SETS, load, parse_sets, parse_vocab, prepare, zoology
 from interrupts import memory_errors_in_one_line
 from timing import generate_in_turns, take_turns
 from linear import linear_chunked
@@ -690,7 +690,7 @@ def main(argv=None):
     LONGEST = 2 ** 20  # a context is prefilled token by token's worth of work, even into a linear layout's fixed state
     contexts = listed(int, lambda v: 1 <= v[0] and v[-1] <= LONGEST, f"give integers from 1 to {LONGEST:,}")
     positive = checked(float, lambda v: 0 < v < float('inf'), "give a number > 0")
-    rates = listed(float, lambda v: 0 < v[0] and v[-1] < float('inf'), "give numbers > 0")
+    rates = listed(float, lambda v: 0 < v[0] and v[-1] <= 1, "give numbers in (0, 1]")
     gen_tokens = checked(int, lambda v: 1 <= v <= 240, "give 1 to 240 (block 256, prompt 16)")
     p = Parser(prog='bench.py', description=__doc__)
     p.add_argument('mode', choices=['cache', 'train', 'decode', 'convert', 'mqar', 'gpu'])
@@ -713,8 +713,8 @@ def main(argv=None):
             ('mqar', 'seeds', 2, count, 'seeds a run: its initialization and batches'),
             ('mqar', 'conv_size', 1, count, "taps of the linear layouts' short conv (default 1: none, as in front "
              "of softmax attention)"),
-            ('mqar', 'vocab', None, checked(int, lambda v: v >= 4, "give an integer >= 4"),
-             "token ids, keys in the lower half, values in the upper (default: 512, on cuda Zoology's 8192)"),
+            ('mqar', 'vocab', None, parse_vocab,
+             "token ids, keys in the lower half, values in the upper (default: 256, on cuda Zoology's 8192)"),
             ('mqar', 'sets', None, parse_sets,
              "(length L, pairs N) of each MQAR set (default: " + ','.join(f'{L}:{n}' for L, n in SETS) +
              ", on cuda Zoology's " + ','.join(f'{L}:{n}' for L, n in ZOOLOGY['sets']) + ")"),
@@ -775,6 +775,7 @@ def main(argv=None):
         if args.mode == 'mqar':  # one sequence of each set first: its vocabulary may be too small for its pairs
             data = mqar_data(args)
             [zoology(data['vocab'], L, n, 1, np.random.default_rng(0)) for L, n in data['sets']]
+            [mqar_model(name, 4, max(L for L, _ in data['sets']), args.conv_size) for name in args.layouts]  # conv
             copies = 1 + (os.cpu_count() or 1)  # x and y in int64, in bench.py and in each worker
             need = 16 * (data['train'] + 500) * sum(L for L, _ in data['sets']) * copies
         compiled = args.compile or args.mode == 'gpu'
@@ -791,6 +792,8 @@ def main(argv=None):
             raise ValueError(f"no README.md here with a '{start}' ... '{end}' section to rewrite")
         os.makedirs(args.out, exist_ok=True)  # all checked
         tempfile.TemporaryFile(dir=args.out).close()  # writable? (os.access says yes to root, even in /sys)
+        if os.path.isdir(report := os.path.join(args.out, f'{args.mode}.md')):  # found now, not after the runs
+            raise ValueError(f"{report} is a folder, where the report goes: move it, or give another --out")
     except ValueError as e:
         hint = " (that is config/hybrid.py's 'hybrid': leave it out with --layouts)" if HYBRID in str(e) else ''
         p.error(str(e) + hint)

@@ -152,11 +152,17 @@ def test_convert_experiment_on_a_tiny_model(tmp_path, char_data):
 
 def test_bad_arguments_are_one_line(tmp_path, capsys, monkeypatch):
     (tmp_path / 'a-file').write_text('results go in a folder')
+    (tmp_path / 'md' / 'mqar.md').mkdir(parents=True)  # a folder where the report goes
     (tmp_path / 'fake.py').write_text('class GPTConfig: pass')  # runs, but is not nanoGPT's model.py
     (tmp_path / 'quits.py').write_text('import sys; sys.exit(0)')
     for args, msg in ((['decode', f'--out={tmp_path / "a-file"}'], "File exists; give a folder to write the results in"),
                       (['train', f'--out={tmp_path / "a-file" / "sub"}'], "Not a directory; give a folder"),
                       (['mqar', f'--out={tmp_path / "a-file"}'], "File exists; give a folder"),
+                      (['mqar', f'--out={tmp_path / "md"}'], "mqar.md is a folder, where the report goes"),  # found before any run
+                      (['mqar', '--conv_size=17', '--sets=16:4'], "GPTConfig.conv_size=17 is invalid: must be <= block"),
+                      (['mqar', '--lrs=1e-3,2'], "--lrs: '1e-3,2': give numbers in (0, 1]"),
+                      (['mqar', '--vocab=100000'], "--vocab: '100000': give an integer from 4 to 65,536"),
+                      (['mqar', '--vocab=8', '--sets=64:4'], "holds at most 3 distinct keys"),
                       (['decode', '--contexts=8,x'], "--contexts: '8,x': give integers from 1 to 1,048,576"),
                       (['train', '--max_iters=0'], "--max_iters: '0': give an integer >= 1"),
                       (['train', '--device=cuda'], "device='cuda' but CUDA is not available here"),

@@ -139,8 +139,10 @@ def test_zoology_layout_queries_every_key_once_after_its_pairs_with_power_law_ga
         assert all(row_y[i] == dict(zip(keys, values))[row_x[i] // vocab] for i in asked)
     gaps = np.concatenate([(row >= 0).nonzero()[0] - N for row in y])
     assert (gaps == 0).sum() > 5 * (gaps == L - N - 1).sum()
-    with pytest.raises(ValueError, match="give at most"):
-        zoology(vocab, 10, 8, 1, np.random.default_rng(0))  # 8 pairs leave 2 query positions
+    with pytest.raises(ValueError, match="holds at most 31 distinct"):
+        zoology(vocab, 80, 32, 1, np.random.default_rng(0))  # 32 pairs: 31 keys in a 64-token vocabulary
+    with pytest.raises(ValueError, match="need 2 positions"):
+        zoology(vocab, 10, 6, 1, np.random.default_rng(0))  # 6 pairs leave 4 query positions
 
 
 def test_mqar_prepare_writes_every_set_and_refuses_bad_input(tmp_path):
@@ -162,12 +164,13 @@ def test_mqar_prepare_writes_every_set_and_refuses_bad_input(tmp_path):
     assert json.loads((tmp_path / 'mqar.json').read_text()) == dict(
         kind='mqar', vocab=32, sets=[[12, 2], [20, 6]], train=2500, val=7, seed=0, power_a=0.5)
     (tmp_path / 'meta.json').write_text('another data set')  # never overwritten: MQAR writes mqar.json
-    for bad in ('--sets=8:0', '--sets=8:8', '--sets=8', '--sets=x', '--train=0', '--seed=-1', '--power_a=0',
-                '--vocab=3', '--vocab=8 --sets=64:4', '--train=999999999999'):
+    for bad in ('--sets=8:0', '--sets=8:5', '--sets=8', '--sets=x', '--train=0', '--seed=-1', '--power_a=0',
+                '--vocab=3', '--vocab=100000', '--vocab=8 --sets=64:4', '--train=999999999999'):
         r = run(*bad.split())
         assert r.returncode == 2 and len(r.stderr.strip().splitlines()) <= 3 and 'Traceback' not in r.stderr, r.stderr
         assert 'python python' not in r.stderr
-    assert "give at most 3 pairs" in run('--vocab=8', '--sets=64:4').stderr  # the vocabulary's halves: 3 keys
+    assert "holds at most 3 distinct keys" in run('--vocab=8', '--sets=64:4').stderr  # its halves: keys 1-3, 4-7
+    assert "in L >= 2N positions" in run('--sets=12:7').stderr  # a query position for each pair
     assert "need at least" in run('--train=999999999999').stderr  # counted before anything is built
     assert (tmp_path / 'meta.json').read_text() == 'another data set'
     for sets, said in (('12:2,20:6', False), ('12:3', True)):  # the same data set: silent; another: what it replaced

@@ -3,7 +3,7 @@ Multi-query associative recall (MQAR; Arora et al. 2023, "Zoology"): the recall 
 
 Zoology's data (zoology/data/multiquery_ar.py) in its one-position variant: a sequence of L positions opens with N
 key-value pairs, then each key comes back once as a query, at a gap after the pairs drawn from a power law (near ones
-likelier), with random tokens between; at a query the model must say its key's value. Keys are token ids
+likelier), with random tokens between (keys among them, as in Zoology: only a query is answered); at a query the model must say its key's value. Keys are token ids
 1 .. vocab/2 - 1, values vocab/2 .. vocab - 1, both distinct within a sequence. Loss and accuracy count the answers
 only (the other targets are -1, which the model's cross-entropy ignores).
 
@@ -43,9 +43,11 @@ def zoology(vocab, length, n_pairs, count, rng, power_a=0.01):
     (key * vocab) at a gap after the pairs drawn from Zoology's power law (p(gap) ~ gap^(power_a - 1): near ones
     likelier), and random tokens (token * vocab) between. y: the pair's value at its key's query, else -1."""
     half, space = vocab // 2, length - n_pairs
-    if not (n_pairs <= min(half - 1, vocab - half) and n_pairs <= space):
-        raise ValueError(f"{n_pairs} pairs in {length} tokens of a {vocab}-token vocabulary: give at most "
-                         f"{min(half - 1, vocab - half)} pairs, and a query position for each after them")
+    if n_pairs > space:
+        raise ValueError(f"{n_pairs} pairs in {length} tokens: a pair and its query need 2 positions (L >= 2N)")
+    if n_pairs > min(half - 1, vocab - half):
+        raise ValueError(f"{n_pairs} pairs: a {vocab}-token vocabulary holds at most {min(half - 1, vocab - half)} "
+                         "distinct keys and values a sequence")
     keys = 1 + np.argsort(rng.random((count, half - 1)), axis=1)[:, :n_pairs]            # distinct keys
     values = half + np.argsort(rng.random((count, vocab - half)), axis=1)[:, :n_pairs]   # distinct values
     p = power_a * np.arange(1, space + 1) ** (power_a - 1)
@@ -95,25 +97,27 @@ def load(path):
 
 
 def sets_flag(text):
-    """--sets: '64:4,128:8' -> ((64, 4), (128, 8)), sorted by L then N."""
-    return tuple(sorted({tuple(int(s) for s in item.split(':')) for item in text.split(',')}))
+    """--sets: '128:8,64:4' -> ((64, 4), (128, 8)), sorted by N then L (the last: the most pairs)."""
+    return tuple(sorted({tuple(int(s) for s in item.split(':')) for item in text.split(',')}, key=lambda s: s[::-1]))
 
 
-parse_sets = checked(sets_flag, lambda v: all(len(s) == 2 and 1 <= s[1] < s[0] for s in v),
-                     "give L:N pairs, N >= 1 pairs in L > N positions, comma-separated")
+parse_sets = checked(sets_flag, lambda v: all(len(s) == 2 and 1 <= s[1] and 2 * s[1] <= s[0] for s in v),
+                     "give L:N, N >= 1 pairs in L >= 2N positions (each pair and its query), comma-separated")
+parse_vocab = checked(int, lambda v: 4 <= v <= 65536, "give an integer from 4 to 65,536")  # (Zoology's: 8,192)
 
 
 def main():
     count = checked(int, lambda v: v >= 1, "give an integer >= 1")
     p = Parser(prog='data/mqar/prepare.py', description=__doc__)
-    p.add_argument('--vocab', type=checked(int, lambda v: v >= 4, "give an integer >= 4"), default=512,
-                   help='token ids: keys in its lower half, values in its upper (default: 512; Zoology: 8192)')
+    p.add_argument('--vocab', type=parse_vocab, default=256,
+                   help='token ids: keys in its lower half, values in its upper (default: 256; Zoology: 8192)')
     cpu = ','.join(f'{L}:{n}' for L, n in SETS)
     p.add_argument('--sets', type=parse_sets, default=cpu,
                    help=f'(length L, pairs N) of each set (default: {cpu}; Zoology: 64:4,128:8,256:16,512:64)')
     p.add_argument('--train', type=count, default=20000, help='training sequences per set (default: 20000)')
     p.add_argument('--val', type=count, default=500, help='validation sequences per set (default: 500)')
-    p.add_argument('--power_a', type=checked(float, lambda v: 0 < v <= 1, "give a number in (0, 1]"), default=0.01,
+    p.add_argument('--power_a', type=checked(float, lambda v: 1e-3 <= v <= 1, "give a number in [0.001, 1]"),
+                   default=0.01,
                    help="the gaps' power law, p(gap) ~ gap^(power_a - 1) (default: Zoology's 0.01)")
     seed = checked(int, lambda v: v >= 0, "give an integer >= 0")
     p.add_argument('--seed', type=seed, default=0, help='(default: 0)')

@@ -514,7 +514,10 @@ def capacity(d_k, pairs, trials=50):
 MQAR = dict(n_layer=2, n_head=4, n_embd=64, pos_emb='learned', chunk_size=32, match_mha_params=True)
 ZOOLOGY = dict(vocab=8192, sets=((64, 4), (128, 8), (256, 16), (512, 64)), train=100000, batch=256, max_iters=5000)
 MQAR_DATA = {'cpu': dict(vocab=256, sets=SETS, train=20000, batch=64, max_iters=1000), 'cuda': ZOOLOGY}
-MQAR_LR = {}  # each layout's best peak lr of `--lrs=3e-4,1e-3,3e-3 --seeds=2` (see the report); the others: 1e-3
+# each layout's best peak lr of `bench.py mqar --lrs=3e-4,1e-3,3e-3` (2 seeds, 1,000 steps; 2026-12-05, 82 minutes on
+# 2 cores, results/mqar.md); the others' best: 1e-3. At 3e-3 the linear rules but 'linear' stayed near chance.
+MQAR_LR, MQAR_SWEPT = {'mha': 3e-3, 'linear': 3e-3}, "2026-12-05's sweep --lrs=0.0003,0.001,0.003"
+
 
 class PairEmbedding(torch.nn.Module):
     """data/mqar's positions, key * vocab + value, embedded as wte(key) + wte(value): the model's own tied rows."""
@@ -648,7 +651,7 @@ def mqar_report(args):
     swept = ','.join(f'{lr:g}' for lr in every)
     minutes = sum(r['seconds'] for r in acc.values()) / 60
     how = (f"at each peak lr ({swept}), each layout's best kept by mean recall (as Zoology reports its sweep)"
-           if args.lrs else f"at each layout's best peak lr of bench.py's MQAR_LR")
+           if args.lrs else f"at each layout's best peak lr of {MQAR_SWEPT} (bench.py's MQAR_LR)")
     given = dict(lrs=args.lrs and swept, seeds=args.seeds != 2 and args.seeds, conv_size=args.conv_size > 1 and
                  args.conv_size, device=cuda and args.device, vocab=args.vocab,
                  sets=args.sets and ','.join(f'{L_}:{n}' for L_, n in sets))

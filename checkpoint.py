@@ -118,6 +118,10 @@ def read_checkpoint(path, device='cpu', keys=('model', 'model_args')):
     if wrong:
         raise FileError(f"cannot load checkpoint {path}: no {', '.join(wrong)} of the right kind in it: "
                         f"not a checkpoint of train.py")
+    if 'model' in keys and (odd := [k for k, v in ckpt['model'].items() if not torch.is_tensor(v) or v.dtype not in (
+            torch.float32, torch.float64, torch.bfloat16, torch.float16)]):  # (load_state_dict casts 3 to 3.0)
+        raise FileError(f"cannot load checkpoint {path}: its weight {odd[0]!r} is not a floating-point tensor "
+                        f"({getattr(ckpt['model'][odd[0]], 'dtype', type(ckpt['model'][odd[0]]).__name__)})")
     try:
         config = GPTConfig(**ckpt['model_args'])
     except (TypeError, ValueError) as e:
@@ -147,12 +151,20 @@ def weights(ckpt):
 
 
 def load_optimizer(optimizer, state):
-    """A checkpoint's optimizer state into optimizer, checked: torch matches only the groups' sizes, and a moment of
-    another shape would fail at the first step, after an evaluation, in a traceback."""
-    optimizer.load_state_dict(state)
-    fits = lambda p, s: all(torch.is_tensor(v) and (v.dim() == 0 or v.shape == p.shape) for v in s.values())
-    if not all(isinstance(s, dict) and fits(p, s) for p, s in optimizer.state.items()):
-        raise ValueError("its optimizer state does not fit the model's weights (a moment of another shape)")
+    """A checkpoint's AdamW state into optimizer, checked like the config. Its settings stay this run's (a resume's
+    --beta2 or --weight_decay applies; a file's maximize, eps or amsgrad never do): torch would take the file's. Each
+    weight's state must be a whole step >= 0 and two finite moments of its shape (the second >= 0): torch checks
+    only the groups' sizes, and anything else fails at the first step in a traceback, or trains as the file says."""
+    ours = [{k: v for k, v in g.items() if k != 'params'} for g in optimizer.param_groups]
+    groups = [{**g, **o} for g, o in zip(state['param_groups'], ours, strict=True)]  # (a crafted list: TypeError)
+    optimizer.load_state_dict({**state, 'param_groups': groups})
+    for p, s in optimizer.state.items():
+        t = isinstance(s, dict) and set(s) == {'step', 'exp_avg', 'exp_avg_sq'} and all(map(torch.is_tensor, s.values()))
+        if not (t and s['step'].numel() == 1 and 0 <= s['step'].item() < 2 ** 53 and s['step'].item() % 1 == 0 and
+                all(m.shape == p.shape and m.is_floating_point() and torch.isfinite(m).all()
+                    for m in (s['exp_avg'], s['exp_avg_sq'])) and (s['exp_avg_sq'] >= 0).all()):
+            raise ValueError("its optimizer state is not AdamW's for these weights (each needs a step >= 0 and two "
+                             "finite moments of the weight's shape)")
 
 
 def checkpoints(out_dir):
@@ -231,12 +243,12 @@ def model_flags(a, b):
             and not (k in LAYER_FIELDS and default(a, k) and default(b, k))]
 
 
-def changed(ckpt, config, keys=('max_iters', 'lr_decay_iters', 'warmup_iters', 'learning_rate', 'min_lr', 'decay_lr',
-                                  'batch_size', 'gradient_accumulation_steps')):
-    """The training settings a resume changes from its checkpoint's run ('max_iters 200 -> 2000'): a resume follows
-    its command line, which may not repeat the run's flags."""
+def changed(ckpt, config):
+    """The settings a resume changes from its checkpoint's run ('max_iters 200 -> 2000', 'beta2 0.99 -> 0.95'): a
+    resume trains with its command line, which may not repeat the run's flags. (The model's are checked before.)"""
     old = ckpt.get('config') if isinstance(ckpt.get('config'), dict) else {}
-    return [f"{k} {old[k]!r} -> {config[k]!r}" for k in keys if k in old and old[k] != config[k]]
+    return [f"{k} {old[k]!r} -> {v!r}" for k, v in config.items()
+            if k in old and old[k] != v and k not in ('init_from', 'overwrite')]
 
 
 def resume_command(world_size, extra):

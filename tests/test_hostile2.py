@@ -174,7 +174,7 @@ def test_crafted_optimizer_and_wandb_states_are_one_line(tmp_path, char_data):
     moments = {**state['optimizer']['state'], first: {**state['optimizer']['state'][first], 'exp_avg': torch.zeros(3)}}
     cases = {'moment': {**state, 'optimizer': {**state['optimizer'], 'state': moments}},
              'groups': {**state, 'optimizer': {**state['optimizer'], 'param_groups': [1, 2]}}}
-    for (name, ckpt), why in zip(cases.items(), ["ValueError: its optimizer state does not fit the model's weights",
+    for (name, ckpt), why in zip(cases.items(), ["ValueError: its optimizer state is not AdamW's for these weights",
                                                  "TypeError: "]):
         (tmp_path / name).mkdir()
         torch.save(ckpt, tmp_path / name / 'ckpt.pt')

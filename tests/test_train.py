@@ -115,7 +115,7 @@ def test_resume_may_change_the_chunk_size(tmp_path, char_data):
     r = train(tmp_path, char_data, '--attn=gated_deltanet', '--max_iters=6', '--eval_interval=2', '--chunk_size=3',
               '--linear_kernels=torch', '--init_from=resume')  # nor which kernels run it
     assert 'resuming from' in r.stdout and metrics(tmp_path)[-1]['iter'] == 6
-    assert 'changed: max_iters 4 -> 6\n' in r.stdout  # (chunk_size is the model's, not the schedule's)
+    assert "changed: chunk_size 4 -> 3, linear_kernels 'fla' -> 'torch', max_iters 4 -> 6\n" in r.stdout  # all said
     r = subprocess.run([sys.executable, 'train.py', *TINY, f'--out_dir={tmp_path}', f'--data_dir={char_data}',
                         '--attn=gated_deltanet', '--max_iters=8', '--conv_size=2', '--init_from=resume'],
                        cwd=ROOT, capture_output=True, text=True, timeout=300)

@@ -1,0 +1,90 @@
+"""Nothing lost, round 4 (#46): a resume trains with what it says, a crafted optimizer state or int64 weights are
+refused or overridden, never trained as told."""
+import re
+
+import pytest
+import torch
+
+from checkpoint import FileError, load_optimizer, read_checkpoint
+from conftest import tiny
+from model import GPT
+from test_hostile import one_line, run
+from test_train import TINY, train
+
+
+@pytest.fixture(scope='module')
+def saved(tmp_path_factory, char_data):
+    """A 4-iteration run (ckpt.pt at 4) and its checkpoint."""
+    out = tmp_path_factory.mktemp('saved')
+    train(out, char_data, '--max_iters=4', '--eval_interval=4', '--dropout=0')
+    return out, torch.load(out / 'ckpt.pt', weights_only=True)
+
+
+def resume(out, data, *args):
+    return train(out, data, '--max_iters=6', '--eval_interval=6', '--dropout=0', '--init_from=resume', *args)
+
+
+def test_a_resume_applies_changed_optimizer_settings_and_names_every_change(tmp_path, char_data, saved):
+    """--weight_decay, --beta1, --beta2 on a resume are the settings it trains with (torch's load_state_dict took the
+    file's), and the `changed:` line names them with the other settings that differ (--seed, --grad_clip, how a linear
+    layout computes, out_dir: the file was moved), not only the schedule's."""
+    (tmp_path / 'ckpt.pt').write_bytes((saved[0] / 'ckpt.pt').read_bytes())
+    r = resume(tmp_path, char_data, '--weight_decay=0.7', '--beta1=0.5', '--beta2=0.6', '--seed=7', '--grad_clip=0.5',
+               '--chunk_size=16')
+    said = re.search(r"; changed: (.*)\n", r.stdout)[1].split(', ')
+    assert sorted(said) == sorted(['max_iters 4 -> 6', 'eval_interval 4 -> 6', 'weight_decay 0.1 -> 0.7',
+                                   'beta1 0.9 -> 0.5', 'beta2 0.99 -> 0.6', 'seed 1337 -> 7', 'grad_clip 1.0 -> 0.5',
+                                   'chunk_size 64 -> 16', f"out_dir {str(saved[0])!r} -> {str(tmp_path)!r}"]), said
+    groups = torch.load(tmp_path / 'ckpt.pt', weights_only=True)['optimizer']['param_groups']
+    assert [(g['betas'], g['weight_decay']) for g in groups] == [((0.5, 0.6), 0.7), ((0.5, 0.6), 0.0)]
+
+
+def test_a_crafted_optimizer_group_is_overridden_and_the_resume_is_the_plain_one(tmp_path, char_data, saved):
+    """maximize, a negative eps, betas > 1, amsgrad, capturable, a weight decay in a checkpoint's param_groups: the
+    run's own settings train, bit for bit as a resume from the untouched file (torch trained as the file said, or
+    failed at the first step)."""
+    out, state = saved
+    crafted = dict(maximize=True, eps=-1.0, betas=(5.0, 0.99), amsgrad=True, capturable=True, weight_decay=3.0, lr=9.0)
+    state = {**state, 'optimizer': {**state['optimizer'], 'param_groups': [
+        {**g, **crafted} for g in state['optimizer']['param_groups']]}}
+    for name, ckpt in (('plain', None), ('crafted', state)):
+        (tmp_path / name).mkdir()
+        if ckpt:
+            torch.save(ckpt, tmp_path / name / 'ckpt.pt')
+        else:
+            (tmp_path / name / 'ckpt.pt').write_bytes((out / 'ckpt.pt').read_bytes())
+        resume(tmp_path / name, char_data)
+    a, b = (torch.load(tmp_path / name / 'ckpt.pt', weights_only=True) for name in ('plain', 'crafted'))
+    assert a['iter_num'] == b['iter_num'] == 6
+    assert all(torch.equal(a['model'][k], b['model'][k]) for k in a['model'])
+
+
+def test_a_crafted_optimizer_state_is_refused():
+    """A step < 0 or not whole, a moment that is not finite, a negative second moment, a key AdamW
+    does not keep (amsgrad's max_exp_avg_sq): one ValueError each (one line in train.py)."""
+    model = GPT(tiny())
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model(torch.zeros(1, 4, dtype=torch.long), torch.zeros(1, 4, dtype=torch.long))[1].backward()
+    opt.step()
+    good = opt.state_dict()
+    load_optimizer(torch.optim.AdamW(model.parameters(), lr=1e-3), good)  # the untouched state loads
+    first = next(iter(good['state']))
+    s = good['state'][first]
+    for bad in ({'step': torch.tensor(-1.0)}, {'step': torch.tensor(1.5)},
+                {'exp_avg': torch.full_like(s['exp_avg'], float('nan'))}, {'exp_avg_sq': -s['exp_avg_sq'] - 1},
+                {'max_exp_avg_sq': s['exp_avg_sq']}):
+        crafted = {**good, 'state': {**good['state'], first: {**s, **bad}}}
+        with pytest.raises(ValueError, match="its optimizer state is not AdamW's for these weights"):
+            load_optimizer(torch.optim.AdamW(model.parameters(), lr=1e-3), crafted)
+
+
+def test_int64_weights_are_refused_not_cast(tmp_path, saved):
+    """Weights saved as int64 loaded silently (load_state_dict casts them) and the loss went to ln 65: named."""
+    out, state = saved
+    name = next(iter(state['model']))
+    torch.save({**state, 'model': {**state['model'], name: state['model'][name].long()}}, tmp_path / 'ckpt.pt')
+    with pytest.raises(FileError, match=f"its weight '{re.escape(name)}' is not a floating-point tensor "
+                                        r"\(torch.int64\)"):
+        read_checkpoint(str(tmp_path / 'ckpt.pt'))
+    r = run('sample.py', f'--out_dir={tmp_path}', '--max_new_tokens=2')
+    assert "is not a floating-point tensor" in one_line(r)

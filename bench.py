@@ -34,7 +34,7 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
-from checkpoint import FileError, write_atomic
+from checkpoint import FileError, in_use, remove_run, write_atomic
 from configurator import Parser, check_device, check_memory, checked, describe, fail, parse_value
 from data.mqar.prepare import SETS, load, parse_sets, parse_vocab, prepare, zoology
 from interrupts import memory_errors_in_one_line
@@ -124,7 +124,9 @@ def train_run(run_dir, args):
     for d in (run_dir, new):  # folders bench.py made: never a user's that happens to sit there
         if os.path.isdir(d) and os.listdir(d) and not os.path.isfile(os.path.join(d, 'metrics.jsonl')):
             fail(f"{d} holds files bench.py did not write (no metrics.jsonl): move them, or give another --out")
-    shutil.rmtree(new, ignore_errors=True)
+        if in_use(d):  # (before the run: a live one is found now, not after this layout trained)
+            fail(f"{d} is in use by a live train.py run: wait for it to end, or give another --out")
+    remove(new)
     cmd = [sys.executable, 'train.py', *args, f'--out_dir={new}', '--wandb_log=False']
     progress(' '.join(cmd[1:]))
     r = subprocess.run(cmd, capture_output=True, text=True)
@@ -132,12 +134,19 @@ def train_run(run_dir, args):
         fail(f"train.py failed in {new}: {(r.stderr.strip().splitlines() or ['?'])[-1].removeprefix('error: ')}")
     if not os.path.isfile(os.path.join(new, 'metrics.jsonl')):  # (train.py -- --help: exit 0, no run)
         fail(f"train.py ended without a run in {new} (its flags asked for --help?); {run_dir} kept as it was")
-    shutil.rmtree(run_dir, ignore_errors=True)
+    remove(run_dir)
     os.replace(new, run_dir)
     rows = [json.loads(line) for line in open(os.path.join(run_dir, 'metrics.jsonl'))]
     return dict(rows=rows, evals=[r for r in rows if 'val/loss' in r],
                 params=re.search(r"([\d.]+)M param", r.stdout)[1],
                 tokens=int(re.search(r"tokens per iteration will be: ([\d,]+)", r.stdout)[1].replace(',', '')))
+
+def remove(run_dir):
+    """A run folder bench.py made, deleted under its lock: never while a train.py writes it."""
+    try:
+        remove_run(run_dir)
+    except (FileError, OSError) as e:
+        fail(str(e) if isinstance(e, FileError) else f"cannot remove {run_dir}: {e.strerror}")
 
 def check_models(args, recipe, layouts=None):
     """Each layout's model as train.py will build it (config/NAME.py, the recipe's files, the extras), before the

@@ -187,6 +187,20 @@ def in_use(out_dir):
         os.close(fd)
 
 
+def remove_run(out_dir):
+    """Delete a run's out_dir holding its lock (bench.py replacing its runs), or FileError if a live run holds it: a
+    train.py started meanwhile is refused by the lock."""
+    if not os.path.isdir(out_dir):
+        return
+    with appending(os.path.join(out_dir, 'train.lock')) as lock:
+        try:
+            fcntl and fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            raise FileError(f"{out_dir} is in use by a live train.py run: wait for it to end, or give another "
+                            f"--out") from None
+        shutil.rmtree(out_dir)
+
+
 def kept(out_dir):
     """What a stopped run leaves behind, said truthfully."""
     names = [os.path.basename(p) for p in checkpoints(out_dir)]

@@ -88,3 +88,25 @@ def test_int64_weights_are_refused_not_cast(tmp_path, saved):
         read_checkpoint(str(tmp_path / 'ckpt.pt'))
     r = run('sample.py', f'--out_dir={tmp_path}', '--max_new_tokens=2')
     assert "is not a floating-point tensor" in one_line(r)
+
+
+def test_bench_never_deletes_a_live_run(tmp_path):
+    """bench.py train removed a folder a live train.py was writing (the live run then overwrote bench's ckpt.pt and
+    mixed its iterations into metrics.jsonl): the lock is checked and taken first, and a live folder refused."""
+    import fcntl
+    for folder in ('mha', 'mha.new'):
+        run_dir = tmp_path / folder / 'train' / 'mha' if folder == 'mha' else tmp_path / 'new' / 'train' / 'mha.new'
+        run_dir.mkdir(parents=True)
+        (run_dir / 'metrics.jsonl').write_text('{"iter": 0}\n')
+        with open(run_dir / 'train.lock', 'a') as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)  # as a live train.py holds it
+            r = run('bench.py', 'train', '--layouts=mha', '--max_iters=1', f'--out={run_dir.parent.parent}')
+            assert f"{run_dir} is in use by a live train.py run" in one_line(r)
+        assert (run_dir / 'metrics.jsonl').read_text() == '{"iter": 0}\n'
+    from checkpoint import remove_run
+    with open(run_dir / 'train.lock', 'a') as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        with pytest.raises(FileError, match="in use by a live train.py run"):
+            remove_run(str(run_dir))
+    remove_run(str(run_dir))  # the lock free: removed
+    assert not run_dir.exists()

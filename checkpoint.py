@@ -380,14 +380,15 @@ class Run:
         if path == self.ckpt and os.path.isfile(self.last):
             os.remove(self.last)  # an older state than this checkpoint
 
-    def interrupted(self, iter_num, resume_command):
-        """What an interrupt left, and the command that continues (on stderr if stdout has lost its reader)."""
+    def interrupted(self, iter_num, resume_command, why='interrupted'):
+        """What an interrupt left, and the command that continues (on stderr if stdout is lost); why: what stopped it
+        (an output that cannot be written: 'cannot write to stdout (No space left on device)')."""
         if not self.writes:
             return
         if self.pending is not None:
-            print(f"error: interrupted before the first training step; {self.discard()}", file=sys.stderr)
+            print(f"error: {why} before the first training step; {self.discard()}", file=sys.stderr)
             return
-        print(f"interrupted before iteration {iter_num}: its state saved to "
+        print(f"{why} before iteration {iter_num}: its state saved to "
               f"{self.last if os.path.isfile(self.last) else self.ckpt}"
               f"{', the best weights kept in ' + self.ckpt if os.path.isfile(self.ckpt) else ''}; continue with:\n"
               f"  {resume_command}", file=sys.stderr if getattr(sys.stdout, 'closed_out', False) else sys.stdout)

@@ -6,7 +6,8 @@ traceback. Imports no torch, nor any module of ours: train.py installs its handl
     Interrupts()                    train.py: a stop at once during start-up, then a flag its loop checks
     exit_on_signals()               the other scripts: SIGTERM / SIGHUP as one line and a SystemExit (finally
                                     blocks still remove temp files)
-    on_closed_output(gone)          gone() once, when stdout or stderr loses its reader; later output is dropped
+    on_closed_output(gone)          gone(reason) once, when stdout or stderr loses its reader (None) or its disk
+                                    fills (the reason in words); later output is dropped
     memory_errors_in_one_line(...)  out of memory and Ctrl-C as one line (every script)
 """
 import errno
@@ -18,12 +19,12 @@ from contextlib import contextmanager
 
 
 class Interrupts:
-    """Ctrl-C, SIGTERM, SIGHUP and (through on_closed_output) a reader that went away. While nothing is written they
-    stop the process at once, even in a slow build; once the run writes they only set .flag (raising inside a save
-    could break a file), which train.py's loop checks at every iteration and between evaluation batches."""
+    """Ctrl-C, SIGTERM, SIGHUP and (through on_closed_output) an output lost. While nothing is written they stop the
+    process at once, even in a slow build; once the run writes they only set .flag (raising inside a save could break
+    a file), which train.py's loop checks at every iteration and between evaluation batches; .why says what stopped."""
 
     def __init__(self):
-        self.flag, self.immediate = False, True
+        self.flag, self.immediate, self.why = False, True, 'interrupted'
         self.discard = lambda: "nothing was written"  # Run.discard: removes what the run made, says what is left
         for name in ('SIGINT', 'SIGTERM', 'SIGHUP'):  # (Windows has no SIGHUP)
             if hasattr(signal, name):
@@ -34,8 +35,13 @@ class Interrupts:
         if self.immediate:
             self.stop()
 
+    def output_lost(self, reason):
+        """on_closed_output's gone(): a reader gone is an interrupt; an output that cannot be written stops as one."""
+        self.why = reason or self.why
+        self()
+
     def stop(self):
-        say(f"error: interrupted before training started; {self.discard()}")
+        say(f"error: {self.why} before training started; {self.discard()}")
         os._exit(130)
 
     @contextmanager
@@ -68,16 +74,18 @@ def exit_on_signals():
 
 
 def on_closed_output(gone):
-    """Call gone() (once per stream) when stdout or stderr loses its reader; later output is dropped."""
-    sys.stdout, sys.stderr = Output(sys.stdout, gone), Output(sys.stderr, gone)
+    """Call gone(reason) (once per stream) when stdout or stderr loses its reader (reason None) or cannot be written
+    (a full disk, /dev/full: 'cannot write to stdout (No space left on device)'); later output is dropped."""
+    sys.stdout, sys.stderr = Output(sys.stdout, gone, 'stdout'), Output(sys.stderr, gone, 'stderr')
 
 
 class Output:
-    """sys.stdout or sys.stderr whose reader may go away (`| head` closed the pipe, the terminal hung up): the
-    output then goes to /dev/null and gone() is called once, instead of a BrokenPipeError at the next print."""
+    """sys.stdout or sys.stderr whose reader may go away (`| head` closed the pipe, the terminal hung up) or whose
+    file cannot grow (a full disk): the output then goes to /dev/null and gone() is called once, instead of an
+    OSError at the next print."""
 
-    def __init__(self, stream, gone):
-        self.stream, self.gone, self.closed_out = stream, gone, False
+    def __init__(self, stream, gone, name):
+        self.stream, self.gone, self.name, self.closed_out = stream, gone, name, False
 
     def write(self, text):
         return self.guard(self.stream.write, text) or len(text)
@@ -89,11 +97,11 @@ class Output:
         try:
             return call(*args)
         except OSError as e:
-            if e.errno not in (errno.EPIPE, errno.EIO) or self.closed_out:
+            if self.closed_out:
                 raise
             self.closed_out = True  # the buffered bytes too: its file descriptor now writes to /dev/null
             os.dup2(os.open(os.devnull, os.O_WRONLY), self.stream.fileno())
-            self.gone()
+            self.gone(None if e.errno in (errno.EPIPE, errno.EIO) else f"cannot write to {self.name} ({e.strerror})")
 
     def __getattr__(self, name):
         return getattr(self.stream, name)

@@ -7,7 +7,7 @@ Sample from a trained checkpoint, with or without the cache, or both side by sid
     python sample.py --out_dir=out-shakespeare-char-mla --compare            # both ways: same tokens? speed? bytes?
     python sample.py --start=FILE:prompt.txt --num_samples=1 --temperature=0
 """
-from interrupts import exit_on_signals, memory_errors_in_one_line, on_closed_output
+from interrupts import exit_on_signals, memory_errors_in_one_line, on_closed_output, say
 
 memory_errors_in_one_line()  # first: Ctrl-C (and SIGTERM, SIGHUP) during the slow imports below is one line too
 exit_on_signals()
@@ -44,7 +44,14 @@ compile = False            # torch.compile the model, with a static cache (on CU
 linear_kernels = 'fla'     # the linear layouts: fla's Triton kernels on CUDA if installed, or 'torch': ours
 # -----------------------------------------------------------------------------
 config_keys = [k for k, v in globals().items() if not k.startswith('_') and isinstance(v, (int, float, bool, str))]
-on_closed_output(lambda: os._exit(0))  # `| head`: the reader has what it wanted; end quietly
+
+
+def output_lost(why):  # `| head`: the reader has what it wanted, so end quietly; a full disk: one line, exit 1
+    why and say(f"error: {why}")
+    os._exit(1 if why else 0)
+
+
+on_closed_output(output_lost)
 globals().update(configure({k: globals()[k] for k in config_keys if k != 'config_keys'}, sys.argv[1:], __file__))
 # -----------------------------------------------------------------------------
 

@@ -99,7 +99,7 @@ seed = 1337                     # every random draw of training is a function of
 # -----------------------------------------------------------------------------
 config_keys = [k for k, v in globals().items() if not k.startswith('_') and isinstance(v, (int, float, bool, str))]
 memory_errors_in_one_line()
-on_closed_output(interrupts)  # `| head`, a closed terminal: an interrupt
+on_closed_output(interrupts.output_lost)  # `| head`, a closed terminal: an interrupt; a full disk: a stop as one
 given = {}  # the keys a config file or flag set: what set each last
 config = configure({k: globals()[k] for k in config_keys}, sys.argv[1:], __file__, given)
 if 'compile' not in given and not device.startswith('cuda'):  # as nanoGPT on a GPU; compiling on a CPU takes minutes
@@ -362,7 +362,7 @@ while True:
         print(f"step {iter_num}/{max_iters}: evaluating ({eval_iters} batches of train and of val)", flush=True)
         losses = estimate_loss()  # None if interrupted during it: dropped, the interrupt is handled below
         if losses is None and eval_only:
-            print("error: interrupted during the evaluation; nothing was written", file=sys.stderr)
+            print(f"error: {interrupts.why} during the evaluation; nothing was written", file=sys.stderr)
             sys.exit(130)
     if losses:
         print(f"step {iter_num}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f} "
@@ -400,7 +400,7 @@ while True:
         if master_process and local_iter_num > 0 and (stop or ckpt_stale):
             save(run.last)
         if stop:
-            run.interrupted(iter_num, resume_command(ddp_world_size if ddp else 0, shape_flags))
+            run.interrupted(iter_num, resume_command(ddp_world_size if ddp else 0, shape_flags), interrupts.why)
         else:
             run.first_write(iter_num)  # a finished run writes its log, even one with nothing to train (max_iters=0)
         break

@@ -110,3 +110,37 @@ def test_bench_never_deletes_a_live_run(tmp_path):
             remove_run(str(run_dir))
     remove_run(str(run_dir))  # the lock free: removed
     assert not run_dir.exists()
+
+
+def test_a_full_disk_under_stdout_saves_the_run_and_says_so(tmp_path, char_data):
+    """stdout on a disk that fills mid-run (its file at a size limit; the checkpoints' disk has room) was an OSError
+    traceback that lost the steps since the last save: it stops as an interrupt does, last.pt saved, the reason in
+    one line. /dev/full from the start: one line, nothing written; sample.py: one line, exit 1."""
+    import resource
+    import subprocess
+    import sys
+    from conftest import ROOT
+    from test_train import environ
+    limit = 2 ** 24
+    log = tmp_path / 'log.txt'
+    log.write_bytes(b'.' * (limit - 3000))  # the stdout's disk nearly full; the checkpoints (~1 MB) still fit
+    with open(log, 'ab') as out:
+        r = subprocess.run([sys.executable, 'train.py', *TINY, f'--data_dir={char_data}', f'--out_dir={tmp_path / "o"}',
+                            '--max_iters=100000', '--log_interval=1'], cwd=ROOT, stdout=out, stderr=subprocess.PIPE,
+                           text=True, timeout=300, env=environ(None),
+                           preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit)))
+    assert r.returncode == 130 and 'Traceback' not in r.stderr, r.stderr
+    head = r.stderr.splitlines()[0]
+    assert re.fullmatch(rf"cannot write to stdout \(File too large\) before iteration (\d+): its state saved to "
+                        rf"{re.escape(str(tmp_path / 'o' / 'last.pt'))}; continue with:", head), r.stderr
+    assert torch.load(tmp_path / 'o' / 'last.pt', weights_only=True)['iter_num'] == int(re.search(r'\d+', head)[0]) > 0
+    with open('/dev/full', 'w') as full:
+        r = subprocess.run([sys.executable, 'train.py', *TINY, f'--data_dir={char_data}', f'--out_dir={tmp_path / "f"}'],
+                           cwd=ROOT, stdout=full, stderr=subprocess.PIPE, text=True, timeout=300, env=environ(None))
+        assert r.returncode == 130 and r.stderr == ("error: cannot write to stdout (No space left on device) before "
+                                                    "training started; nothing was written\n"), r.stderr
+        assert not (tmp_path / 'f').exists()
+        r = subprocess.run([sys.executable, 'sample.py', f'--out_dir={tmp_path / "o"}', '--max_new_tokens=5'],
+                           cwd=ROOT, stdout=full, stderr=subprocess.PIPE, text=True, timeout=300, env=environ(None))
+        assert r.returncode == 1 and r.stderr.splitlines()[-1] == "error: cannot write to stdout (No space left on " \
+                                                                  "device)", r.stderr

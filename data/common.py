@@ -117,6 +117,9 @@ def open_data(data_dir, block_size, remake, prepare=None):
 def read_data(data_dir):
     """(meta.json's content, {split: tokens}) of a prepared data folder, with train.bin and val.bin checked:
     OSError if a file is missing, ValueError naming what is broken."""
+    for name in ('meta.json', 'train.bin', 'val.bin'):  # a FIFO would block the open for ever, signals deferred
+        if os.path.exists(path := os.path.join(data_dir, name)) and not os.path.isfile(path):
+            raise ValueError(f"{name} is not a regular file")
     with open(os.path.join(data_dir, 'meta.json'), encoding='utf-8') as f:
         meta = check_meta(json.load(f))
     tokens = {}

@@ -144,3 +144,18 @@ def test_a_full_disk_under_stdout_saves_the_run_and_says_so(tmp_path, char_data)
                            cwd=ROOT, stdout=full, stderr=subprocess.PIPE, text=True, timeout=300, env=environ(None))
         assert r.returncode == 1 and r.stderr.splitlines()[-1] == "error: cannot write to stdout (No space left on " \
                                                                   "device)", r.stderr
+
+
+def test_a_fifo_in_the_data_folder_is_one_line_not_a_hang(tmp_path, char_data):
+    """meta.json (or a .bin) a FIFO hung start-up for ever, Ctrl-C deferred: only SIGKILL ended it, leaving
+    train.lock."""
+    import os
+    import shutil
+    for name in ('meta.json', 'val.bin'):
+        data = tmp_path / name
+        shutil.copytree(char_data, data)
+        (data / name).unlink()
+        os.mkfifo(data / name)
+        r = run('train.py', *TINY, f'--data_dir={data}', f'--out_dir={tmp_path / "out"}', timeout=60)
+        assert f"{name} is not a regular file" in one_line(r)
+        assert not (tmp_path / 'out').exists()

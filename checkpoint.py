@@ -97,7 +97,9 @@ def read_checkpoint(path, device='cpu', keys=('model', 'model_args')):
             ckpt = torch.load(path, map_location=device, weights_only=True)
     except Exception as e:  # truncated, corrupted, not a checkpoint, or a pickle that would run code
         reason = describe(e)
-        if damaged(path) or 'zip archive' in reason or getattr(e, 'errno', None) == errno.EINVAL or isinstance(
+        if not os.path.isfile(path):  # listed, then gone: a live run saving ckpt.pt removes last.pt
+            reason = "it was removed while being read (a live run replaces its checkpoints as it saves); try again"
+        elif damaged(path) or 'zip archive' in reason or getattr(e, 'errno', None) == errno.EINVAL or isinstance(
                 e, (EOFError, UnicodeDecodeError)):  # cut short, or bytes changed
             reason = f"truncated or corrupted, not a whole torch.save file ({os.stat(path).st_size:,} bytes)"
         elif open(path, 'rb').read(1) not in (b'P', b'\x80'):  # (torch would speak of a .tar format, or a KeyError)
@@ -230,8 +232,10 @@ def resume_state(out_dir, device, meta, asked, data_dir):
     for path in checkpoints(out_dir):
         try:
             loaded.append((path, *read_checkpoint(path, device, RESUME)))
-        except FileError as e:
-            broken.append((path, str(e)))
+        except FileError as e:  # (one that vanished meanwhile is older than what replaced it: skipped)
+            broken += [(path, str(e))] * os.path.exists(path)
+    if not loaded and not broken:
+        fail(f"the checkpoints in {out_dir} were removed while being read (a live run saving?); try again")
     if broken:
         fail(broken[0][1] + (f"; {loaded[0][0]} (iteration {loaded[0][1]['iter_num']}) loads: move {broken[0][0]} "
                              f"away to resume from it" if loaded else ""))

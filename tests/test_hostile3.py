@@ -159,3 +159,23 @@ def test_a_fifo_in_the_data_folder_is_one_line_not_a_hang(tmp_path, char_data):
         r = run('train.py', *TINY, f'--data_dir={data}', f'--out_dir={tmp_path / "out"}', timeout=60)
         assert f"{name} is not a regular file" in one_line(r)
         assert not (tmp_path / 'out').exists()
+
+
+def test_a_checkpoint_that_vanishes_while_being_read(tmp_path, saved, monkeypatch, capsys):
+    """--eval_only=True takes no lock: a live run that saves ckpt.pt removes last.pt between our listing and opening
+    it (a traceback): the vanished one is skipped, or named in one line if it was the only one."""
+    import checkpoint
+    (tmp_path / 'ckpt.pt').write_bytes((saved[0] / 'ckpt.pt').read_bytes())
+    (tmp_path / 'last.pt').write_bytes(b'soon gone')
+    listed = checkpoint.checkpoints(str(tmp_path))
+    (tmp_path / 'last.pt').unlink()
+    monkeypatch.setattr(checkpoint, 'checkpoints', lambda out_dir: listed)
+    with pytest.raises(FileError, match="removed while being read"):
+        read_checkpoint(str(tmp_path / 'last.pt'))
+    meta, config = saved[1]['meta'], read_checkpoint(str(tmp_path / 'ckpt.pt'))[1]
+    path, ckpt = checkpoint.resume_state(str(tmp_path), 'cpu', meta, config, 'data')
+    assert path == str(tmp_path / 'ckpt.pt') and ckpt['iter_num'] == 4
+    (tmp_path / 'ckpt.pt').unlink()
+    with pytest.raises(SystemExit):
+        checkpoint.resume_state(str(tmp_path), 'cpu', meta, config, 'data')
+    assert "were removed while being read (a live run saving?); try again" in capsys.readouterr().err

@@ -131,7 +131,7 @@ datasets = sorted(d for d in os.listdir(DATA) if os.path.isfile(os.path.join(DAT
 for ok, message in (
         *[(ok, f"{key}={config[key]!r} must be {rule}") for key, ok, rule in (
             ('batch_size', batch_size >= 1, '>= 1'), ('max_iters', max_iters >= 0, '>= 0'),
-            ('learning_rate', learning_rate > 0, '> 0'),
+            ('learning_rate', 0 < learning_rate <= 1e12, 'in (0, 1e12]'),  # (AdamW's lr / (1 - beta1) fits float32)
             ('min_lr', 0 <= min_lr <= learning_rate, 'in [0, learning_rate]'),
             ('eval_interval', eval_interval >= 1, '>= 1'), ('eval_iters', eval_iters >= 1, '>= 1'),
             ('log_interval', log_interval >= 1, '>= 1'),

@@ -75,7 +75,8 @@ def broken_checkpoint(tmp, trained, kind):
 
 
 TRAIN_CASES = [
-    (['--learning_rate=0'], "learning_rate=0.0 must be > 0"),
+    (['--learning_rate=0'], "learning_rate=0.0 must be in (0, 1e12]"),
+    (['--learning_rate=1e308'], "learning_rate=1e+308 must be in (0, 1e12]"),  # was a traceback from AdamW's step
     (['--batch_size=0'], "batch_size=0 must be >= 1"),
     (['--batch_size=1000000000', '--overwrite=True'], "the weights, optimizer and activations need at least"),
     (['--n_layer=50', '--n_embd=20000', '--n_head=4', '--batch_size=1', '--block_size=8', '--overwrite=True'],

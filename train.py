@@ -176,9 +176,12 @@ if ddp:
         device = f'cuda:{ddp_local_rank}'
         torch.cuda.set_device(device)
     master_process = ddp_rank == 0  # logs and checkpoints
-    if not master_process:  # when rank 0 stops (its own line says why), the others' next collective fails: one line
-        sys.excepthook = lambda kind, e, tb: print(f"error: rank {ddp_rank}: {describe(e)} (if rank 0 stopped first, "
-                                                   "its error says why)", file=sys.stderr)
+    # a rank that stops (killed, or its own line says why) fails the others' next collective: one line each; every
+    # error of ranks > 0 (rank 0's own say why), a lost peer on rank 0 (a bug there keeps its traceback)
+    hook, lost = sys.excepthook, lambda e: isinstance(e, RuntimeError) and re.search(r'peer|gloo|NCCL', str(e))
+    sys.excepthook = lambda kind, e, tb: print(f"error: rank {ddp_rank}: {describe(e)} (another rank stopped: killed, "
+                                               "or its own error says why)", file=sys.stderr) \
+        if ddp_rank or lost(e) else hook(kind, e, tb)
     gradient_accumulation_steps //= ddp_world_size  # per process from here on (a multiple: checked above)
 else:
     ddp_rank, ddp_world_size, master_process = 0, 1, True

@@ -179,3 +179,39 @@ def test_a_checkpoint_that_vanishes_while_being_read(tmp_path, saved, monkeypatc
     with pytest.raises(SystemExit):
         checkpoint.resume_state(str(tmp_path), 'cpu', meta, config, 'data')
     assert "were removed while being read (a live run saving?); try again" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize('killed', [0, 1])
+def test_ddp_a_killed_rank_leaves_one_line_from_the_other(tmp_path, char_data, killed):
+    """SIGKILL of rank 1 printed rank 0's whole gloo traceback; with rank 0 killed, rank 1's line pointed to "rank 0's
+    error", which never came. Now the survivor says one line, naming a stopped rank."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+    from conftest import ROOT
+    from test_train import environ
+    p = subprocess.Popen([sys.executable, '-m', 'torch.distributed.run', '--standalone', '--nproc_per_node=2',
+                          'train.py', *TINY, f'--out_dir={tmp_path}', f'--data_dir={char_data}', '--max_iters=100000',
+                          '--log_interval=1', '--gradient_accumulation_steps=2'], cwd=ROOT, stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True, env=environ(None))
+    deadline = time.time() + 120
+    while not (tmp_path / 'metrics.jsonl').exists() or (tmp_path / 'metrics.jsonl').read_text().count('batch') < 3:
+        assert time.time() < deadline and p.poll() is None
+        time.sleep(0.2)
+    ranks = {}
+    for pid in os.listdir('/proc'):
+        try:
+            env = open(f'/proc/{pid}/environ', 'rb').read().split(b'\0')
+            cmd = open(f'/proc/{pid}/cmdline', 'rb').read()
+        except OSError:
+            continue
+        if b'train.py' in cmd and b'torch.distributed.run' not in cmd and f'--out_dir={tmp_path}'.encode() in cmd:
+            ranks.update({int(v[5:]): int(pid) for v in env if v.startswith(b'RANK=')})
+    os.kill(ranks[killed], signal.SIGKILL)
+    _, err = p.communicate(timeout=120)
+    ours = [line for line in err.splitlines() if line.startswith(('error:', '[rank'))]
+    assert len(ours) == 1 and re.fullmatch(rf"error: rank {1 - killed}: RuntimeError: .* \(another rank stopped: "
+                                           r"killed, or its own error says why\)", ours[0]), err

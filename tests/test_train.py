@@ -206,7 +206,7 @@ def test_ddp_refusal_by_rank_0_is_one_line_on_every_rank(tmp_path, char_data):
                             '--gradient_accumulation_steps=2'], cwd=ROOT, capture_output=True, text=True, timeout=300,
                            env=environ(None))
     assert r.returncode != 0 and 'is in use by another train.py run' in r.stderr, r.stderr
-    assert re.search(r"^error: rank 1: \w+Error: .*its error says why\)$", r.stderr, re.M), r.stderr
+    assert re.search(r"^error: rank 1: \w+Error: .*its own error says why\)$", r.stderr, re.M), r.stderr
     assert '[rank1]' not in r.stderr, r.stderr  # (torchrun's launcher still prints its own report)
 
 

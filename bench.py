@@ -20,12 +20,12 @@ import platform
 import re
 import runpy
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
-from concurrent.futures import ProcessPoolExecutor, as_completed
 from multiprocessing import get_context
 from unittest.mock import patch
 
@@ -37,7 +37,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from checkpoint import FileError, in_use, remove_run, write_atomic
 from configurator import Parser, check_device, check_memory, checked, describe, fail, parse_value
 from data.mqar.prepare import SETS, load, parse_sets, parse_vocab, prepare, zoology
-from interrupts import memory_errors_in_one_line
+from interrupts import exit_on_signals, memory_errors_in_one_line
 from timing import generate_in_turns, take_turns
 from linear import linear_chunked
 from linear_fla import FLA, fla_runs, linear_fla
@@ -596,20 +596,20 @@ def mqar_report(args):
     """Per layout, the 2-layer model trained on MQAR to 99% recall or max_iters at each lr and seed (one thread a run,
     as many at once as there are cores), its best lr kept as Zoology does; recall per set; the untrained capacity."""
     cuda, data = args.device.startswith('cuda'), mqar_data(args)
-    data_dir = tempfile.TemporaryDirectory(dir=args.out, prefix='.mqar-data-')  # deleted at the end, even on an error
-    path = prepare(data_dir.name, data['vocab'], data['sets'], data['train'])  # seeded, seconds: never a user's data
     lrs = {name: args.lrs or [MQAR_LR.get(name, 1e-3)] for name in args.layouts}  # all, or each layout's best
     runs = [(name, lr, seed) for name in args.layouts for lr in lrs[name] for seed in range(args.seeds)]
     workers = min(len(runs), 4 if cuda else os.cpu_count() or 1)
     progress(f"mqar: {len(runs)} runs of up to {args.max_iters} steps, {workers} at a time"
              + " on one thread each" * (not cuda))
-    acc = {}
-    with ProcessPoolExecutor(workers, mp_context=get_context('spawn')) as pool:  # (spawn: forked torch threads hang)
-        todo = {pool.submit(mqar_run, path, *run, args.max_iters, data['batch'], args.device,
-                            f"run {k} of {len(runs)} ({run[0]}, lr {run[1]:g}, seed {run[2]})", args.conv_size): run
-                for k, run in enumerate(runs, 1)}
-        for done in as_completed(todo):
-            acc[todo[done]] = done.result()
+    # the data deleted and the workers ended on leaving, an error, Ctrl-C or SIGTERM too (spawn: forked torch threads
+    # hang; the workers ignore Ctrl-C, which this process turns into their end)
+    with tempfile.TemporaryDirectory(dir=args.out, prefix='.mqar-data-') as data_dir, get_context('spawn').Pool(
+            workers, signal.signal, (signal.SIGINT, signal.SIG_IGN)) as pool:
+        path = prepare(data_dir, data['vocab'], data['sets'], data['train'])  # seeded, seconds: never a user's data
+        todo = {run: pool.apply_async(mqar_run, (path, *run, args.max_iters, data['batch'], args.device,
+                                                 f"run {k} of {len(runs)} ({run[0]}, lr {run[1]:g}, seed {run[2]})",
+                                                 args.conv_size)) for k, run in enumerate(runs, 1)}
+        acc = {run: result.get() for run, result in todo.items()}
     sets, seeds = data['sets'], range(args.seeds)
     mean = lambda name, lr, s=None: statistics.mean(statistics.mean(acc[name, lr, seed]['recall'].values()) if s is None
                                                     else acc[name, lr, seed]['recall'][s] for seed in seeds)
@@ -694,6 +694,7 @@ def readme_section(mode, report, out='results'):
 
 def main(argv=None):
     memory_errors_in_one_line('--batch, --t, --contexts, --n_embd, --n_layer')  # e.g. --t too large here
+    exit_on_signals()  # SIGTERM, SIGHUP: one line, and the with blocks still end mqar's workers and delete its data
     PLOTS.clear()
     count = checked(int, lambda v: v >= 1, "give an integer >= 1")
     listed = lambda kind, ok, rule: checked(lambda text: sorted({kind(x) for x in text.split(',')}), ok, rule)

@@ -10,6 +10,7 @@ traceback. Imports no torch, nor any module of ours: train.py installs its handl
                                     fills (the reason in words); later output is dropped
     memory_errors_in_one_line(...)  out of memory and Ctrl-C as one line (every script)
 """
+import atexit
 import errno
 import os
 import re
@@ -114,11 +115,20 @@ def memory_errors_in_one_line(sizes='batch_size, block_size, the model'):
     def hook(kind, e, tb):
         if issubclass(kind, KeyboardInterrupt):
             print("error: interrupted", file=sys.stderr, flush=True)
-            os._exit(130)
+            leave(130)
         if issubclass(kind, MemoryError) or re.search(r"out of memory|can't allocate memory", str(e)):
             what = f"{kind.__name__}: {' '.join(str(e).split())[:240]}"  # (configurator's describe imports torch)
             print(f"error: out of memory ({what}); try smaller sizes ({sizes})", file=sys.stderr, flush=True)
-            os._exit(2)  # as every other bad input
+            leave(2)  # as every other bad input
         else:
             default(kind, e, tb)
     sys.excepthook = hook
+
+
+def leave(code):
+    """Exit with code from an excepthook, after the atexit cleanups that os._exit alone skips (a new run's out_dir and
+    lock, a pool's workers and semaphores, temp folders)."""
+    try:
+        atexit._run_exitfuncs()
+    finally:
+        os._exit(code)

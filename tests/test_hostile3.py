@@ -215,3 +215,71 @@ def test_ddp_a_killed_rank_leaves_one_line_from_the_other(tmp_path, char_data, k
     ours = [line for line in err.splitlines() if line.startswith(('error:', '[rank'))]
     assert len(ours) == 1 and re.fullmatch(rf"error: rank {1 - killed}: RuntimeError: .* \(another rank stopped: "
                                            r"killed, or its own error says why\)", ours[0]), err
+
+
+def children(pid):
+    """The live (not zombie) processes whose parent is pid."""
+    import os
+    found = []
+    for p in filter(str.isdigit, os.listdir('/proc')):
+        try:
+            stat = open(f'/proc/{p}/stat').read().rsplit(')', 1)[1].split()
+        except OSError:
+            continue
+        if int(stat[1]) == pid and stat[0] != 'Z':
+            found.append(int(p))
+    return found
+
+
+def alive(pid):
+    try:
+        return open(f'/proc/{pid}/stat').read().rsplit(')', 1)[1].split()[0] != 'Z'
+    except OSError:
+        return False
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize('sig', ['SIGINT', 'SIGTERM'])
+def test_bench_mqar_stopped_ends_its_workers_and_deletes_its_data(tmp_path, sig):
+    """Ctrl-C left .mqar-data-XXXX/ in --out; SIGTERM died silently, left it, and orphaned the training workers (still
+    running 40 s later). Now: one line, the folder gone, no worker left."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+    from conftest import ROOT
+    p = subprocess.Popen([sys.executable, 'bench.py', 'mqar', '--layouts=mha,linear', '--seeds=1', '--vocab=16',
+                          '--sets=12:2,16:4', '--max_iters=100000', f'--out={tmp_path}'], cwd=ROOT,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    deadline = time.time() + 120
+    while len(workers := [c for c in children(p.pid) if b'spawn_main' in open(f'/proc/{c}/cmdline', 'rb').read()]) < 2:
+        assert time.time() < deadline and p.poll() is None, p.stderr.read() if p.poll() is not None else 'slow'
+        time.sleep(0.2)
+    assert [f.name for f in tmp_path.iterdir() if f.name.startswith('.mqar-data-')]
+    time.sleep(3)  # the workers training
+    os.killpg(p.pid, getattr(signal, sig)) if sig == 'SIGINT' else p.send_signal(signal.SIGTERM)  # (a terminal's: all)
+    _, err = p.communicate(timeout=60)
+    assert p.returncode == (130 if sig == 'SIGINT' else 128 + signal.SIGTERM), err
+    assert err.splitlines()[-1] == ('error: interrupted' if sig == 'SIGINT' else 'error: stopped by SIGTERM'), err
+    assert 'Traceback' not in err and 'leaked' not in err, err
+    assert not [f.name for f in tmp_path.iterdir() if f.name.startswith('.mqar-data-')]
+    time.sleep(1)
+    assert not [w for w in workers if alive(w)]
+
+
+def test_out_of_memory_at_the_first_step_leaves_no_out_dir(tmp_path, char_data):
+    """Out of memory at the first step was one line but left the new out_dir and its train.lock (os._exit skipped the
+    run's cleanup): the atexit cleanups run first now."""
+    import subprocess
+    import sys
+    from conftest import ROOT
+    from test_train import environ
+    args = ['train.py', *TINY, f'--data_dir={char_data}', f'--out_dir={tmp_path / "new" / "out"}']
+    oom = ("import sys, runpy, torch\n"
+           "def step(self, *a, **k): raise torch.OutOfMemoryError('CUDA out of memory. Tried to allocate 9 GiB')\n"
+           f"torch.optim.AdamW.step = step\nsys.argv = {args!r}\nrunpy.run_path('train.py', run_name='__main__')\n")
+    r = subprocess.run([sys.executable, '-c', oom], cwd=ROOT, capture_output=True, text=True, timeout=300,
+                       env=environ(None))
+    assert r.returncode == 2 and "error: out of memory (OutOfMemoryError: CUDA out of memory" in r.stderr, r.stderr
+    assert 'Traceback' not in r.stderr and not (tmp_path / 'new').exists()

@@ -105,8 +105,9 @@ def read_checkpoint(path, device='cpu', keys=('model', 'model_args')):
         elif open(path, 'rb').read(1) not in (b'P', b'\x80'):  # (torch would speak of a .tar format, or a KeyError)
             reason = "not a torch.save file: it begins as neither a zip nor a pickle does"
         elif 'weights_only' in reason:  # torch's advice to retry unsafely: never for a file we cannot vouch for
-            unpickler = ' '.join(str(e).split('Unpickler error:')[-1].split('Check the documentation')[0].split())
-            reason = f"not a file of tensors that loads safely ({unpickler[:120]})"
+            said = [p for p in str(e).split('\n\n') if p.strip() and not p.startswith(('Weights only', 'Check the doc'))]
+            unpickler = ' '.join(' '.join(said).split('Unpickler error:')[-1].split())  # (the reason, not the advice)
+            reason = f"not a file of tensors that loads safely ({unpickler[:160]})"
         raise FileError(f"cannot load checkpoint {path}: {reason}") from None
     if what := damaged(path):  # torch.load reads a changed byte as a changed weight
         raise FileError(f"cannot load checkpoint {path}: corrupted: {what}")

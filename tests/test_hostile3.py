@@ -283,3 +283,23 @@ def test_out_of_memory_at_the_first_step_leaves_no_out_dir(tmp_path, char_data):
                        env=environ(None))
     assert r.returncode == 2 and "error: out of memory (OutOfMemoryError: CUDA out of memory" in r.stderr, r.stderr
     assert 'Traceback' not in r.stderr and not (tmp_path / 'new').exists()
+
+
+class Payload:
+    """A pickle that would run a command when loaded unsafely."""
+
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        import os
+        return os.system, (f'touch {self.marker}',)
+
+
+def test_a_pickle_that_runs_code_is_refused_with_its_reason(tmp_path):
+    """The refusal printed torch's preamble cut mid-word ("In PyTorch 2.6, we changed the default value of the fr")
+    and dropped the reason: now the reason, and the command never ran."""
+    torch.save({'model': Payload(tmp_path / 'ran')}, tmp_path / 'ckpt.pt')
+    with pytest.raises(FileError, match=r"not a file of tensors that loads safely \(.*GLOBAL posix\.system.*\)$") as e:
+        read_checkpoint(str(tmp_path / 'ckpt.pt'))
+    assert 'PyTorch 2.6' not in str(e.value) and not (tmp_path / 'ran').exists()

@@ -17,7 +17,7 @@ import tempfile
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FILES = ('model.py', 'softmax.py', 'linear.py', 'cache.py')
 MODEL_TESTS = ['test_attention.py', 'test_cache.py', 'test_config.py', 'test_generate.py', 'test_gpt.py',
-               'test_linear.py', 'test_memory.py', 'test_mla.py', 'test_property.py', 'test_reference.py']
+               'test_hybrid.py', 'test_linear.py', 'test_memory.py', 'test_mla.py', 'test_property.py', 'test_reference.py']
 
 MUTANTS = [  # (what the bug is, the fragment, its replacement)
     ("RoPE: theta_i = base^(-i/d)", "dtype=torch.float64, device=positions.device) / dim))",
@@ -84,6 +84,9 @@ MUTANTS = [  # (what the bug is, the fragment, its replacement)
     ("mamba2: A ~ U[0, 16]", "torch.empty(H).uniform_(1, 16).log()", "torch.empty(H).uniform_(0, 16).log()"),
     ("mamba2: dt_bias = dt (no inverse softplus)", "dt + torch.log(-torch.expm1(-dt))", "dt"),
     ("hybrid: pattern shifted by one layer", "[pattern[i % len(pattern)]", "[pattern[(i + 1) % len(pattern)]"),
+    ("hybrid counts: a partial period counted from its end", "p[:rest].count(a)", "p[len(p) - rest:].count(a)"),
+    ("hybrid: RoPE only if the first layer is softmax", "if config.pos_emb == 'rope' and config.softmax else 0",
+     "if config.pos_emb == 'rope' and config.layouts[0] not in LINEAR_RULES else 0"),
     ("MLA: query bottleneck of width d_c", "r = config.q_lora_rank  #", "r = config.q_lora_rank and config.kv_lora_rank  #"),
     ("dropout on in eval (MLA)", "dropout_p = self.dropout if self.training else 0.0", "dropout_p = self.dropout"),
     ("learned positions keep N(0, 1)", "if isinstance(module, (nn.Linear, nn.Embedding)):", "if isinstance(module, nn.Linear):"),

@@ -85,6 +85,7 @@ def test_train_py_converts_an_mha_checkpoint(tmp_path, char_data):
     (tmp_path / 'greek.txt').write_text(open(SHAKESPEARE).read().replace('Z', 'Ω'))  # as many, not the same
     prepare(str(tmp_path / 'greek'), str(tmp_path / 'greek.txt'))
     for args, said in (([f'--data_dir={char_data}', '--attn=mla'], "attn must be mha, gqa or mqa, not 'mla'"),
+                       ([f'--data_dir={char_data}', '--attn=deltanet+gqa'], "not 'deltanet+gqa'"),  # a hybrid target
                        ([f'--data_dir={tmp_path / "lower"}', '--attn=gqa'], "needs its vocabulary: it has 65 tokens"),
                        ([f'--data_dir={tmp_path / "greek"}', '--attn=gqa'], "the data in " + str(tmp_path / 'greek')),
                        ([f'--data_dir={tmp_path / "greek"}', '--init_from=resume', f'--out_dir={tmp_path / "mha"}'],

@@ -62,15 +62,17 @@ def test_compare_table(ckpt_dir):
     assert held == [f'cache bytes at the end ({n - 1 - start} tokens x 2 samples)']  # the live cache, not a refill
 
 
-def test_compare_on_a_hybrid(tmp_path, char_data):
+@pytest.mark.parametrize('attn, n_layer', [('gated_deltanet+gqa', 2), ('deltanet*2+gqa', 4)])
+def test_compare_on_a_hybrid(tmp_path, char_data, attn, n_layer):
     """A hybrid's cache is per layer (a state and the conv's last inputs for gated_deltanet, K/V for gqa): --compare
-    gives the same tokens both ways, and the live cache's bytes are the formula's."""
-    r = run('train.py', *TINY, '--attn=gated_deltanet+gqa', '--n_kv_head=2', '--max_iters=10', '--eval_interval=10',
-            f'--out_dir={tmp_path}', f'--data_dir={char_data}')
+    gives the same tokens both ways, and the live cache's bytes are the formula's; also for a pattern that does not
+    divide n_layer (deltanet, deltanet, gqa, deltanet)."""
+    r = run('train.py', *TINY, f'--attn={attn}', f'--n_layer={n_layer}', '--n_kv_head=2', '--max_iters=10',
+            '--eval_interval=10', f'--out_dir={tmp_path}', f'--data_dir={char_data}')
     assert r.returncode == 0, r.stderr
     out = sample(str(tmp_path), '--compare', '--num_samples=2', '--max_new_tokens=40', '--temperature=0.8')
     table = {k.strip(): v for k, v in (line.split(' | ', 1) for line in out.splitlines() if ' | ' in line)}
-    assert table['layout'] == 'gated_deltanet+gqa' and table['tokens identical'] == 'yes'
+    assert table['layout'] == attn and table['tokens identical'] == 'yes'
     assert table['cache bytes / token: formula'] == table['cache bytes / token: measured'] + '  (incl. the fixed state / tokens)'
 
 

@@ -9,8 +9,9 @@ layout; here is the update in its two forms, which agree (linear_step: one token
 and prefill), and the operators around it: φ, l2norm, the short conv, the unit-lower-triangular solve.
 Imports nothing from model.py; linear_fla.py runs the same update on fla's Triton kernels.
 """
-import torch
+import math
 
+import torch
 
 
 # The update, written once. S (B, nh, d_k, d_v) = Σ k vᵀ: transposed, o = q S on rows; g = log α and β (B, nh, L).
@@ -33,9 +34,10 @@ def linear_chunked(q, k, v, g, beta, S, delta, chunk_size, keep_state=True):
     The delta rule's u solve one unit-lower-triangular system per chunk (the WY / UT form, Yang et al. 2024):
         (I + A) U = diag(β) (V - diag(e^G) K S_0),   A_ij = β_i e^{G_i - G_j} (k_i · k_j) for j < i.
     S None is a zero state (training: its products skipped); keep_state=False skips the last chunk's write to S."""
-    # α = 1: log α = 0; a gate clamped at e^-10⁴, 0 as e^-inf is (a -inf, at exp(A_log) = inf, makes G_i - G_i nan)
+    # α = 1: log α = 0. A gate floored at eps, as 0 to the dtype's precision as e^-inf is (a -inf, at exp(A_log) = inf,
+    # makes G_i - G_i nan), and no lower: G's sums after it keep |G| eps's digits (float32 at -10⁴: an error of 3e-3)
     gated = g is not None
-    g = torch.zeros_like(beta) if g is None else g.clamp(min=-1e4)
+    g = torch.zeros_like(beta) if g is None else g.clamp(min=math.log(torch.finfo(g.dtype).eps))
     # chunks of C tokens, the last shorter (one chunk unsplit: split's backward would copy it whole)
     each = [x.split(chunk_size, dim=2) if x.size(2) > chunk_size else [x] for x in (q, k, v, g, beta)]
     out = []

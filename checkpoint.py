@@ -105,7 +105,7 @@ def read_checkpoint(path, device='cpu', keys=('model', 'model_args')):
         elif open(path, 'rb').read(1) not in (b'P', b'\x80'):  # (torch would speak of a .tar format, or a KeyError)
             reason = "not a torch.save file: it begins as neither a zip nor a pickle does"
         elif 'weights_only' in reason:  # torch's advice to retry unsafely: never for a file we cannot vouch for
-            said = [p for p in str(e).split('\n\n') if p.strip() and not p.startswith(('Weights only', 'Check the doc'))]
+            said = [p for p in str(e).split('\n\n') if p.strip() and not p.startswith(('Weights only', 'Check the'))]
             unpickler = ' '.join(' '.join(said).split('Unpickler error:')[-1].split())  # (the reason, not the advice)
             reason = f"not a file of tensors that loads safely ({unpickler[:160]})"
         raise FileError(f"cannot load checkpoint {path}: {reason}") from None
@@ -161,11 +161,12 @@ def load_optimizer(optimizer, state):
     ours = [{k: v for k, v in g.items() if k != 'params'} for g in optimizer.param_groups]
     groups = [{**g, **o} for g, o in zip(state['param_groups'], ours, strict=True)]  # (a crafted list: TypeError)
     optimizer.load_state_dict({**state, 'param_groups': groups})
+    def adamw(p, step, exp_avg, exp_avg_sq):
+        return step.numel() == 1 and 0 <= step.item() < 2 ** 53 and step.item() % 1 == 0 and (exp_avg_sq >= 0).all() \
+            and all(m.shape == p.shape and m.is_floating_point() and m.isfinite().all() for m in (exp_avg, exp_avg_sq))
     for p, s in optimizer.state.items():
-        t = isinstance(s, dict) and set(s) == {'step', 'exp_avg', 'exp_avg_sq'} and all(map(torch.is_tensor, s.values()))
-        if not (t and s['step'].numel() == 1 and 0 <= s['step'].item() < 2 ** 53 and s['step'].item() % 1 == 0 and
-                all(m.shape == p.shape and m.is_floating_point() and torch.isfinite(m).all()
-                    for m in (s['exp_avg'], s['exp_avg_sq'])) and (s['exp_avg_sq'] >= 0).all()):
+        if not (isinstance(s, dict) and set(s) == {'step', 'exp_avg', 'exp_avg_sq'}
+                and all(map(torch.is_tensor, s.values())) and adamw(p, **s)):
             raise ValueError("its optimizer state is not AdamW's for these weights (each needs a step >= 0 and two "
                              "finite moments of the weight's shape)")
 

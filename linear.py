@@ -34,7 +34,7 @@ def linear_chunked(q, k, v, g, beta, S, delta, chunk_size, keep_state=True):
     The delta rule's u solve one unit-lower-triangular system per chunk (the WY / UT form, Yang et al. 2024):
         (I + A) U = diag(β) (V - diag(e^G) K S_0),   A_ij = β_i e^{G_i - G_j} (k_i · k_j) for j < i.
     S None is a zero state (training: its products skipped); keep_state=False skips the last chunk's write to S."""
-    # α = 1: log α = 0. A gate floored at eps, as 0 to the dtype's precision as e^-inf is (a -inf, at exp(A_log) = inf,
+    # α = 1: log α = 0. A gate floored at eps, 0 to the dtype's precision as e^-inf is (a -inf, at exp(A_log) = inf,
     # makes G_i - G_i nan), and no lower: G's sums after it keep |G| eps's digits (float32 at -10⁴: an error of 3e-3)
     gated = g is not None
     g = torch.zeros_like(beta) if g is None else g.clamp(min=math.log(torch.finfo(g.dtype).eps))

@@ -24,8 +24,9 @@ from softmax import apply_rope, attend, rope_table
 # and they differ only in the knob: how the old state is forgotten (α) and whether a write corrects it (β).
 LINEAR_RULES = {  # layout: (forget: α_t, correct: the delta rule)
     'linear':         (None,    False),  # Katharopoulos et al. 2020: accumulate (α = 1, write v kᵀ), phi = elu + 1
-    'retnet':         ('decay', False),  # RetNet (Sun et al. 2023): α = γ_h = 1 - 2^(-5-h), fixed per head
-    'mamba2':         ('gate',  False),  # Mamba-2 (Dao & Gu 2024): α_t = exp(-exp(A_log) softplus(W_a x + dt_bias))
+    'retnet':         ('decay', False),  # RetNet's decay (Sun et al. 2023): α = γ_h = 1 - 2^(-5-h), fixed per head
+    'mamba2':         ('gate',  False),  # Mamba-2's gate: α_t = exp(-exp(A_log) softplus(W_a x + dt_bias)) on v kᵀ,
+                                         # Gated DeltaNet's "Mamba2" (Dao & Gu 2024 less Δ_t on the input, D skip)
     'deltanet':       (None,    True),   # DeltaNet (Schlag et al. 2021; Yang et al. 2024): β_t = σ(W_β x), α = 1
     'gated_deltanet': ('gate',  True),   # Gated DeltaNet (Yang, Kautz, Hatamizadeh 2024): both
 }

@@ -135,8 +135,8 @@ def test_a_full_disk_under_stdout_saves_the_run_and_says_so(tmp_path, char_data)
                         rf"{re.escape(str(tmp_path / 'o' / 'last.pt'))}; continue with:", head), r.stderr
     assert torch.load(tmp_path / 'o' / 'last.pt', weights_only=True)['iter_num'] == int(re.search(r'\d+', head)[0]) > 0
     with open('/dev/full', 'w') as full:
-        r = subprocess.run([sys.executable, 'train.py', *TINY, f'--data_dir={char_data}', f'--out_dir={tmp_path / "f"}'],
-                           cwd=ROOT, stdout=full, stderr=subprocess.PIPE, text=True, timeout=300, env=environ(None))
+        r = subprocess.run([sys.executable, 'train.py', *TINY, f'--data_dir={char_data}',
+                            f'--out_dir={tmp_path / "f"}'], cwd=ROOT, stdout=full, stderr=subprocess.PIPE, text=True, timeout=300, env=environ(None))
         assert r.returncode == 130 and r.stderr == ("error: cannot write to stdout (No space left on device) before "
                                                     "training started; nothing was written\n"), r.stderr
         assert not (tmp_path / 'f').exists()

@@ -11,11 +11,14 @@ bench.py find and read checkpoints here; W&B's run (its folder, resumed as one r
 - A file is written whole or not at all (NAME.tmpPID, flushed, renamed): after an error or a full disk the old one
   is there, and one line says why. A SIGKILL loses the steps since the last save (and leaves a NAME.tmpPID, which
   the next run deletes).
-- Until the first training step ends, an error, Ctrl-C, SIGTERM, SIGHUP or a closed stdout leaves out_dir as it
-  was (--overwrite=True deletes old checkpoints only then). After it an interrupt saves last.pt and exits 130; a
-  resume starts from the later of ckpt.pt and last.pt, bit-exactly. A divergence saves nothing: exit 2, the last
-  good files kept. A checkpoint is read as tensors only (a pickle that runs code is refused), its CRCs checked (a
-  changed byte is named, not loaded as another weight), and sized before its model is built.
+- Until the first training step ends, an error, out of memory, Ctrl-C, SIGTERM, SIGHUP or a lost stdout (closed,
+  or its disk full) leaves out_dir as it was (--overwrite=True deletes old checkpoints only then). After it an
+  interrupt saves last.pt and exits 130; a resume starts from the later of ckpt.pt and last.pt, bit-exactly, with
+  the settings it is given (the optimizer's too, never a file's). A divergence saves nothing: exit 2, the last good
+  files kept. A checkpoint is read as tensors only (a pickle that runs code is refused; weights must be floating
+  point, an AdamW state finite and of their shapes), its CRCs checked (a changed byte is named, not loaded as
+  another weight), and sized before its model is built. A live run's out_dir is never deleted (bench.py takes its
+  lock).
 """
 import atexit
 import errno
@@ -387,8 +390,8 @@ class Run:
             os.remove(self.last)  # an older state than this checkpoint
 
     def interrupted(self, iter_num, resume_command, why='interrupted'):
-        """What an interrupt left, and the command that continues (on stderr if stdout is lost); why: what stopped it
-        (an output that cannot be written: 'cannot write to stdout (No space left on device)')."""
+        """What an interrupt left, and the command that continues, on stderr (as every stop); why: what stopped it (an
+        output that cannot be written: 'cannot write to stdout (No space left on device)')."""
         if not self.writes:
             return
         if self.pending is not None:
@@ -397,7 +400,7 @@ class Run:
         print(f"{why} before iteration {iter_num}: its state saved to "
               f"{self.last if os.path.isfile(self.last) else self.ckpt}"
               f"{', the best weights kept in ' + self.ckpt if os.path.isfile(self.ckpt) else ''}; continue with:\n"
-              f"  {resume_command}", file=sys.stderr if getattr(sys.stdout, 'closed_out', False) else sys.stdout)
+              f"  {resume_command}", file=sys.stderr)
 
     def done(self, iter_num, which):
         """The closing line of a finished run: the best evaluation logged, where the weights are (which: ckpt.pt's,

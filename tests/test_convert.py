@@ -122,10 +122,10 @@ def test_a_cpu_preset_conversion_takes_the_source_shape_and_resumes_as_printed(t
                           f'--init_from={tmp_path / "mha"}', f'--out_dir={tmp_path / "x"}', f'--data_dir={char_data}'],
                          cwd=ROOT, capture_output=True, text=True)
     assert bad.stderr.strip().endswith(f"drop n_layer=6 of {tmp_path / 'shape.py'} (the checkpoint has 4)"), bad.stderr
-    out, _ = interrupted(tmp_path / 'gqa', char_data, f'--init_from={tmp_path / "mha"}', '--eval_interval=1000', base=quick)
+    out, err = interrupted(tmp_path / 'gqa', char_data, f'--init_from={tmp_path / "mha"}', '--eval_interval=1000', base=quick)
     assert re.search(r"^the shape of .*mha: block_size=64 n_layer=4 n_head=4 n_embd=128 ", out, re.M), out
     assert "tokens per iteration will be: 256\n" in out  # 4 x 64: the checkpoint's block_size
-    command = shlex.split(re.search(r"continue with:\n  (.*)", out).group(1))
+    command = shlex.split(re.search(r"continue with:\n  (.*)", err).group(1))
     assert {'--block_size=64', '--n_layer=4', '--match_mha_params=False', '--init_from=resume'} <= set(command)
     it = torch.load(tmp_path / 'gqa' / 'last.pt', weights_only=True)['iter_num']
     r = subprocess.run([sys.executable, *command[1:], f'--max_iters={it + 1}'], cwd=ROOT, capture_output=True,

@@ -303,3 +303,12 @@ def test_a_pickle_that_runs_code_is_refused_with_its_reason(tmp_path):
     with pytest.raises(FileError, match=r"not a file of tensors that loads safely \(.*GLOBAL posix\.system.*\)$") as e:
         read_checkpoint(str(tmp_path / 'ckpt.pt'))
     assert 'PyTorch 2.6' not in str(e.value) and not (tmp_path / 'ran').exists()
+
+
+def test_a_flag_the_layout_does_not_use_on_a_resume_names_no_other_flag(tmp_path, char_data, saved):
+    """--init_from=resume --conv_size=3 on an MHA run suggested --n_kv_head=4 (MHA's own default, filled in): the
+    refusal names the flag, and no setting the run already has."""
+    (tmp_path / 'ckpt.pt').write_bytes((saved[0] / 'ckpt.pt').read_bytes())
+    r = run('train.py', *TINY, f'--data_dir={char_data}', f'--out_dir={tmp_path}', '--init_from=resume',
+            '--conv_size=3')
+    assert "GPTConfig.conv_size=3 is invalid: no layer of attn='mha' uses it\n" == one_line(r)[len('error: '):]

@@ -89,6 +89,7 @@ def why(e, path):
     return e.strerror if isinstance(e, OSError) and e.strerror else describe(e)
 
 
+REMOVED = "it was removed while being read (a live run replaces its checkpoints as it saves); try again"
 RESUME = ('model', 'optimizer', 'model_args', 'iter_num', 'best_val_loss')  # what a resume reads (sampling: 2)
 
 
@@ -101,7 +102,7 @@ def read_checkpoint(path, device='cpu', keys=('model', 'model_args')):
     except Exception as e:  # truncated, corrupted, not a checkpoint, or a pickle that would run code
         reason = describe(e)
         if not os.path.isfile(path):  # listed, then gone: a live run saving ckpt.pt removes last.pt
-            reason = "it was removed while being read (a live run replaces its checkpoints as it saves); try again"
+            reason = REMOVED
         elif damaged(path) or 'zip archive' in reason or getattr(e, 'errno', None) == errno.EINVAL or isinstance(
                 e, (EOFError, UnicodeDecodeError)):  # cut short, or bytes changed
             reason = f"truncated or corrupted, not a whole torch.save file ({os.stat(path).st_size:,} bytes)"
@@ -112,6 +113,8 @@ def read_checkpoint(path, device='cpu', keys=('model', 'model_args')):
             unpickler = ' '.join(' '.join(said).split('Unpickler error:')[-1].split())  # (the reason, not the advice)
             reason = f"not a file of tensors that loads safely ({unpickler[:160]})"
         raise FileError(f"cannot load checkpoint {path}: {reason}") from None
+    if not os.path.isfile(path):  # loaded, then removed: its CRCs can no longer be checked
+        raise FileError(f"cannot load checkpoint {path}: {REMOVED}")
     if what := damaged(path):  # torch.load reads a changed byte as a changed weight
         raise FileError(f"cannot load checkpoint {path}: corrupted: {what}")
     if not zipfile.is_zipfile(path):  # torch.save's format before torch 1.6: a changed byte would load unnoticed
@@ -119,15 +122,19 @@ def read_checkpoint(path, device='cpu', keys=('model', 'model_args')):
                         "re-save it")
     kinds = {'model': dict, 'optimizer': dict, 'model_args': dict, 'iter_num': int, 'best_val_loss': float}
     wrong = [k for k in keys if not isinstance(ckpt, dict) or not isinstance(ckpt.get(k), kinds[k])]
-    wrong += [k for k, ok in (('iter_num', lambda v: v >= 0), ('best_val_loss', lambda v: v == v)) if k in keys
-              and k not in wrong and (isinstance(ckpt[k], bool) or not ok(ckpt[k]))]  # (>= 0; not NaN)
+    wrong += [k for k, ok in (('iter_num', lambda v: v >= 0), ('best_val_loss', lambda v: v > -math.inf)) if k in keys
+              and k not in wrong and (isinstance(ckpt[k], bool) or not ok(ckpt[k]))]  # (>= 0; not NaN, nor -inf)
     if wrong:
         raise FileError(f"cannot load checkpoint {path}: no {', '.join(wrong)} of the right kind in it: "
                         f"not a checkpoint of train.py")
-    if 'model' in keys and (odd := [k for k, v in ckpt['model'].items() if not torch.is_tensor(v) or v.dtype not in (
-            torch.float32, torch.float64, torch.bfloat16, torch.float16)]):  # (load_state_dict casts 3 to 3.0)
-        raise FileError(f"cannot load checkpoint {path}: its weight {odd[0]!r} is not a floating-point tensor "
-                        f"({getattr(ckpt['model'][odd[0]], 'dtype', type(ckpt['model'][odd[0]]).__name__)})")
+    weight = lambda v: torch.is_tensor(v) and v.layout == torch.strided and not v.is_meta and v.dtype in (
+        torch.float32, torch.float64, torch.bfloat16, torch.float16)  # (load_state_dict casts 3 to 3.0)
+    for k, v in (ckpt['model'].items() if 'model' in keys else ()):
+        if not weight(v):
+            raise FileError(f"cannot load checkpoint {path}: its weight {k!r} is not a floating-point tensor (" +
+                            (f"{v.dtype}, {v.layout}, on {v.device})" if torch.is_tensor(v) else f"{type(v).__name__})"))
+        if not v.isfinite().all():  # (train.py never saves such weights: a diverged run's would train on as NaN)
+            raise FileError(f"cannot load checkpoint {path}: its weight {k!r} is not finite")
     try:
         config = GPTConfig(**ckpt['model_args'])
     except (TypeError, ValueError) as e:
@@ -158,20 +165,29 @@ def weights(ckpt):
 
 def load_optimizer(optimizer, state):
     """A checkpoint's AdamW state into optimizer, checked like the config. Its settings stay this run's (a resume's
-    --beta2 or --weight_decay applies; a file's maximize, eps or amsgrad never do): torch would take the file's. Each
-    weight's state must be a whole step >= 0 and two finite moments of its shape (the second >= 0): torch checks
-    only the groups' sizes, and anything else fails at the first step in a traceback, or trains as the file says."""
+    --beta2 or --weight_decay applies; a file's maximize, eps or amsgrad never do): torch would take the file's. Every
+    weight needs its state, a whole float step >= 0 and two finite real moments of its shape, the second >= 0: torch
+    checks only the groups' sizes, casts what it gets, and restarts a missing state from zero; anything else fails at
+    the first step in a traceback, or trains as the file says."""
+    def adamw(s):  # (a step of a small int type wraps around at + 1; float32's, torch's own, is exact up to 2^24)
+        if not (isinstance(s, dict) and set(s) == {'step', 'exp_avg', 'exp_avg_sq'} and
+                all(map(torch.is_tensor, s.values()))):
+            return False
+        step, moments = s['step'], (s['exp_avg'], s['exp_avg_sq'])
+        return (step.dtype in (torch.float32, torch.float64) and step.numel() == 1 and 0 <= step.item() < 2 ** 24
+                and step.item() % 1 == 0 and bool((s['exp_avg_sq'] >= 0).all())
+                and all(m.is_floating_point() and bool(m.isfinite().all()) for m in moments))
+    bad = ValueError("its optimizer state is not AdamW's for these weights (each needs a float step >= 0 and two "
+                     "finite real moments of its shape)")
+    if not isinstance(state.get('state'), dict) or not all(map(adamw, state['state'].values())):
+        raise bad
     ours = [{k: v for k, v in g.items() if k != 'params'} for g in optimizer.param_groups]
     groups = [{**g, **o} for g, o in zip(state['param_groups'], ours, strict=True)]  # (a crafted list: TypeError)
     optimizer.load_state_dict({**state, 'param_groups': groups})
-    def adamw(p, step, exp_avg, exp_avg_sq):
-        return step.numel() == 1 and 0 <= step.item() < 2 ** 53 and step.item() % 1 == 0 and (exp_avg_sq >= 0).all() \
-            and all(m.shape == p.shape and m.is_floating_point() and m.isfinite().all() for m in (exp_avg, exp_avg_sq))
-    for p, s in optimizer.state.items():
-        if not (isinstance(s, dict) and set(s) == {'step', 'exp_avg', 'exp_avg_sq'}
-                and all(map(torch.is_tensor, s.values())) and adamw(p, **s)):
-            raise ValueError("its optimizer state is not AdamW's for these weights (each needs a step >= 0 and two "
-                             "finite moments of the weight's shape)")
+    params = [p for g in optimizer.param_groups for p in g['params']]
+    if not all(p in optimizer.state and optimizer.state[p]['exp_avg'].shape == optimizer.state[p]['exp_avg_sq'].shape
+               == p.shape for p in params):
+        raise bad
 
 
 def checkpoints(out_dir):
@@ -434,7 +450,7 @@ def appending(path):
 
 def loads(line):
     try:
-        row = json.loads(line)
+        row = json.loads(line, parse_constant=lambda name: None)  # (NaN, Infinity a user put there: null, as ours)
         return row if isinstance(row, dict) else None
     except ValueError:
         return None

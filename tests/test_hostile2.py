@@ -2,6 +2,7 @@
 checkpoint.py): files swapped under a live run, links at our temp names, flags past int64, crafted checkpoints and
 data, a kill in a prepare script, a bench run that never ran."""
 import json
+import math
 import os
 import re
 import signal
@@ -89,15 +90,17 @@ def test_crafted_checkpoints_are_one_line(tmp_path, char_data):
              'small': {**state, 'meta': {**state['meta'], 'vocab_size': 3, 'itos': itos[:3]}},
              'nan': {**state, 'model': {k: torch.full_like(v, float('nan')) if v.is_floating_point() else v
                                         for k, v in state['model'].items()}},
-             'negative': {**state, 'iter_num': -5}, 'nanbest': {**state, 'best_val_loss': float('nan')}}
+             'negative': {**state, 'iter_num': -5}, 'nanbest': {**state, 'best_val_loss': float('nan')},
+             'minusinf': {**state, 'best_val_loss': -math.inf}}  # (no evaluation could ever beat it: ckpt.pt frozen)
     for name, ckpt in cases.items():
         (tmp_path / name).mkdir()
         torch.save(ckpt, tmp_path / name / 'ckpt.pt')
     for name, message in (('big', "its vocabulary has 100 tokens, its model 65"),
-                          ('small', "its vocabulary has 3 tokens, its model 65"), ('nan', "weights are not all finite")):
+                          ('small', "its vocabulary has 3 tokens, its model 65"), ('nan', "is not finite")):
         r = run('sample.py', f'--out_dir={tmp_path / name}', '--num_samples=1', '--max_new_tokens=5', '--device=cpu')
         assert message in one_line(r)
-    for name, message in (('negative', "no iter_num of the right kind"), ('nanbest', "no best_val_loss of the right")):
+    for name, message in (('negative', "no iter_num of the right kind"), ('nanbest', "no best_val_loss of the right"),
+                          ('minusinf', "no best_val_loss of the right"), ('nan', "is not finite")):  # (was a NaN loss)
         r = run('train.py', *TINY, f'--out_dir={tmp_path / name}', f'--data_dir={char_data}', '--init_from=resume',
                 '--max_iters=4')
         assert message in one_line(r)

@@ -1,5 +1,6 @@
 """Nothing lost, round 4 (#46): a resume trains with what it says, a crafted optimizer state or int64 weights are
 refused or overridden, never trained as told."""
+import os
 import re
 
 import pytest
@@ -60,8 +61,9 @@ def test_a_crafted_optimizer_group_is_overridden_and_the_resume_is_the_plain_one
 
 
 def test_a_crafted_optimizer_state_is_refused():
-    """A step < 0 or not whole, a moment that is not finite, a negative second moment, a key AdamW
-    does not keep (amsgrad's max_exp_avg_sq): one ValueError each (one line in train.py)."""
+    """A step < 0, not whole or of a type that wraps, a moment that is not finite or not real, a negative second
+    moment, a key AdamW does not keep (amsgrad's max_exp_avg_sq), a weight without its state: one ValueError each
+    (one line in train.py)."""
     model = GPT(tiny())
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     model(torch.zeros(1, 4, dtype=torch.long), torch.zeros(1, 4, dtype=torch.long))[1].backward()
@@ -72,10 +74,15 @@ def test_a_crafted_optimizer_state_is_refused():
     s = good['state'][first]
     for bad in ({'step': torch.tensor(-1.0)}, {'step': torch.tensor(1.5)},
                 {'exp_avg': torch.full_like(s['exp_avg'], float('nan'))}, {'exp_avg_sq': -s['exp_avg_sq'] - 1},
-                {'max_exp_avg_sq': s['exp_avg_sq']}):
+                {'max_exp_avg_sq': s['exp_avg_sq']}, {'step': torch.tensor(True)},  # (steps that wrap or stick at + 1:
+                {'step': torch.tensor(127, dtype=torch.int8)}, {'step': torch.tensor(2048.0).half()},  # tracebacks)
+                {'exp_avg': s['exp_avg'].to(torch.complex64)}, {'exp_avg': s['exp_avg'].long()}):  # (cast, said nothing)
         crafted = {**good, 'state': {**good['state'], first: {**s, **bad}}}
         with pytest.raises(ValueError, match="its optimizer state is not AdamW's for these weights"):
             load_optimizer(torch.optim.AdamW(model.parameters(), lr=1e-3), crafted)
+    for partial in ({}, {k: v for k, v in good['state'].items() if k != first}):  # moments restarted from zero: refused
+        with pytest.raises(ValueError, match="its optimizer state is not AdamW's for these weights"):
+            load_optimizer(torch.optim.AdamW(model.parameters(), lr=1e-3), {**good, 'state': partial})
 
 
 def test_int64_weights_are_refused_not_cast(tmp_path, saved):
@@ -84,7 +91,7 @@ def test_int64_weights_are_refused_not_cast(tmp_path, saved):
     name = next(iter(state['model']))
     torch.save({**state, 'model': {**state['model'], name: state['model'][name].long()}}, tmp_path / 'ckpt.pt')
     with pytest.raises(FileError, match=f"its weight '{re.escape(name)}' is not a floating-point tensor "
-                                        r"\(torch.int64\)"):
+                                        r"\(torch.int64, torch.strided, on cpu\)"):
         read_checkpoint(str(tmp_path / 'ckpt.pt'))
     r = run('sample.py', f'--out_dir={tmp_path}', '--max_new_tokens=2')
     assert "is not a floating-point tensor" in one_line(r)
@@ -312,3 +319,26 @@ def test_a_flag_the_layout_does_not_use_on_a_resume_names_no_other_flag(tmp_path
     r = run('train.py', *TINY, f'--data_dir={char_data}', f'--out_dir={tmp_path}', '--init_from=resume',
             '--conv_size=3')
     assert "GPTConfig.conv_size=3 is invalid: no layer of attn='mha' uses it\n" == one_line(r)[len('error: '):]
+
+
+def test_a_checkpoint_removed_after_torch_load_read_it_is_named_so(tmp_path, saved, monkeypatch):
+    """Removed after torch.load read it and before its CRCs were checked: it was called torch.save's old format."""
+    import checkpoint
+    (tmp_path / 'ckpt.pt').write_bytes((saved[0] / 'ckpt.pt').read_bytes())
+    load = torch.load
+    monkeypatch.setattr(checkpoint.torch, 'load', lambda path, **kw: (load(path, **kw), os.remove(path))[0])
+    with pytest.raises(FileError, match="removed while being read"):
+        read_checkpoint(str(tmp_path / 'ckpt.pt'))
+
+
+def test_a_resume_rewrites_foreign_non_finite_rows_as_null(tmp_path, char_data, saved):
+    """A NaN a user appended to metrics.jsonl was copied as is into the resumed log: not strict JSON any more."""
+    import json
+    for name in ('ckpt.pt', 'metrics.jsonl'):
+        (tmp_path / name).write_bytes((saved[0] / name).read_bytes())
+    with open(tmp_path / 'metrics.jsonl', 'a') as f:
+        f.write('{"iter": 2, "val/loss": NaN, "train/loss": -Infinity}\n')
+    resume(tmp_path, char_data)
+    strict = lambda name: pytest.fail(f"{name} in metrics.jsonl")
+    rows = [json.loads(line, parse_constant=strict) for line in open(tmp_path / 'metrics.jsonl')]
+    assert {'iter': 2, 'val/loss': None, 'train/loss': None} in rows and rows[-1]['iter'] == 6

@@ -11,6 +11,11 @@ report to --out/MODE.md (default out-bench/); --readme writes results/MODE.md an
     python bench.py mqar                  # associative recall vs the number of pairs: what a fixed state can hold
     python bench.py gpu --nanogpt PATH    # the one GPU report: roofline, generation, training step, profile, fla
 """
+from interrupts import end_on_lost_output, exit_at_once, exit_on_signals, memory_errors_in_one_line, on_closed_output
+
+if __name__ == '__main__':  # first: Ctrl-C (and SIGTERM, SIGHUP) during the slow imports below is one line too
+    exit_at_once()
+
 import copy
 import dataclasses
 import json
@@ -34,10 +39,9 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
-from checkpoint import FileError, in_use, remove_run, write_atomic
+from checkpoint import FileError, in_use, remove_run, why, write_atomic
 from configurator import Parser, check_device, check_memory, checked, describe, fail, parse_value
 from data.mqar.prepare import SETS, load, parse_sets, parse_vocab, prepare, zoology
-from interrupts import exit_on_signals, memory_errors_in_one_line
 from timing import generate_in_turns, take_turns
 from linear import linear_chunked
 from linear_fla import FLA, fla_runs, linear_fla
@@ -602,10 +606,17 @@ def mqar_report(args):
     progress(f"mqar: {len(runs)} runs of up to {args.max_iters} steps, {workers} at a time"
              + " on one thread each" * (not cuda))
     # the data deleted and the workers ended on leaving, an error, Ctrl-C or SIGTERM too (spawn: forked torch threads
-    # hang; the workers ignore Ctrl-C, which this process turns into their end)
-    with tempfile.TemporaryDirectory(dir=args.out, prefix='.mqar-data-') as data_dir, get_context('spawn').Pool(
-            workers, signal.signal, (signal.SIGINT, signal.SIG_IGN)) as pool:
-        path = prepare(data_dir, data['vocab'], data['sets'], data['train'])  # seeded, seconds: never a user's data
+    # hang). The workers ignore Ctrl-C from their start, imports too: this process ends them
+    interrupt = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        pool = get_context('spawn').Pool(workers)
+    finally:
+        signal.signal(signal.SIGINT, interrupt)
+    with tempfile.TemporaryDirectory(dir=args.out, prefix='.mqar-data-') as data_dir, pool:
+        try:  # seeded, seconds: never a user's data
+            path = prepare(data_dir, data['vocab'], data['sets'], data['train'])
+        except OSError as e:
+            fail(f"cannot write the MQAR data in {args.out}: {why(e, data_dir)}")
         todo = {run: pool.apply_async(mqar_run, (path, *run, args.max_iters, data['batch'], args.device,
                                                  f"run {k} of {len(runs)} ({run[0]}, lr {run[1]:g}, seed {run[2]})",
                                                  args.conv_size)) for k, run in enumerate(runs, 1)}
@@ -695,6 +706,7 @@ def readme_section(mode, report, out='results'):
 def main(argv=None):
     memory_errors_in_one_line('--batch, --t, --contexts, --n_embd, --n_layer')  # e.g. --t too large here
     exit_on_signals()  # SIGTERM, SIGHUP: one line, and the with blocks still end mqar's workers and delete its data
+    on_closed_output(end_on_lost_output)  # the report is in --out already when it is printed
     PLOTS.clear()
     count = checked(int, lambda v: v >= 1, "give an integer >= 1")
     listed = lambda kind, ok, rule: checked(lambda text: sorted({kind(x) for x in text.split(',')}), ok, rule)

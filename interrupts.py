@@ -4,10 +4,12 @@ whose reader went away (`| head`) and out of memory each end it with one line on
 traceback. Imports no torch, nor any module of ours: train.py installs its handlers before its slow imports.
 
     Interrupts()                    train.py: a stop at once during start-up, then a flag its loop checks
-    exit_on_signals()               the other scripts: SIGTERM / SIGHUP as one line and a SystemExit (finally
+    exit_at_once()                  the other scripts, first: a stop during their slow imports, one line
+    exit_on_signals()               ... once imported: SIGTERM / SIGHUP as one line and a SystemExit (finally
                                     blocks still remove temp files)
     on_closed_output(gone)          gone(reason) once, when stdout or stderr loses its reader (None) or its disk
-                                    fills (the reason in words); later output is dropped
+                                    fills (the reason in words); later output is dropped; end_on_lost_output: a
+                                    gone() that ends a script
     memory_errors_in_one_line(...)  out of memory and Ctrl-C as one line (every script)
 """
 import atexit
@@ -63,21 +65,45 @@ def say(line):
         pass
 
 
+def exit_at_once():
+    """While a script only imports (nothing to clean up): Ctrl-C, SIGTERM and SIGHUP end it at once in one line, exit
+    128 + N. Python's KeyboardInterrupt raised inside torch's C++ import would abort it (pybind11's terminate)."""
+    for name in ('SIGINT', 'SIGTERM', 'SIGHUP'):
+        if hasattr(signal, name) and signal.getsignal(getattr(signal, name)) is not signal.SIG_IGN:  # (a background
+            signal.signal(getattr(signal, name), at_once)                                          # job's: kept)
+
+
+def at_once(signum, frame):
+    say("error: interrupted" if signum == signal.SIGINT else f"error: stopped by {signal.Signals(signum).name}")
+    os._exit(128 + signum)
+
+
 def exit_on_signals():
-    """SIGTERM and SIGHUP end the process with one line and a SystemExit (exit 128 + N): finally blocks still remove
-    temp files."""
+    """After exit_at_once's imports: SIGTERM and SIGHUP end the process with one line and a SystemExit (exit 128 + N),
+    Ctrl-C is a KeyboardInterrupt again: finally and with blocks still remove temp files, end workers."""
     def stop(signum, frame):
         say(f"error: stopped by {signal.Signals(signum).name}")
         sys.exit(128 + signum)
     for name in ('SIGTERM', 'SIGHUP'):
-        if hasattr(signal, name):
+        if hasattr(signal, name) and signal.getsignal(getattr(signal, name)) is not signal.SIG_IGN:
             signal.signal(getattr(signal, name), stop)
+    if signal.getsignal(signal.SIGINT) is at_once:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def on_closed_output(gone):
     """Call gone(reason) (once per stream) when stdout or stderr loses its reader (reason None) or cannot be written
     (a full disk, /dev/full: 'cannot write to stdout (No space left on device)'); later output is dropped."""
     sys.stdout, sys.stderr = Output(sys.stdout, gone, 'stdout'), Output(sys.stderr, gone, 'stderr')
+
+
+def end_on_lost_output(why):
+    """on_closed_output's gone() for a script whose output is its result: a reader gone (`| head` has what it wanted)
+    ends it quietly, exit 0; an output that cannot be written, in one line, exit 1 (a SystemExit: with and finally
+    blocks still clean up)."""
+    if why:
+        say(f"error: {why}")
+    sys.exit(1 if why else 0)
 
 
 class Output:

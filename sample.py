@@ -7,10 +7,10 @@ Sample from a trained checkpoint, with or without the cache, or both side by sid
     python sample.py --out_dir=out-shakespeare-char-mla --compare            # both ways: same tokens? speed? bytes?
     python sample.py --start=FILE:prompt.txt --num_samples=1 --temperature=0
 """
-from interrupts import exit_on_signals, memory_errors_in_one_line, on_closed_output, say
+from interrupts import end_on_lost_output, exit_at_once, exit_on_signals, memory_errors_in_one_line, on_closed_output
 
-memory_errors_in_one_line()  # first: Ctrl-C (and SIGTERM, SIGHUP) during the slow imports below is one line too
-exit_on_signals()
+exit_at_once()  # first: Ctrl-C (and SIGTERM, SIGHUP) during the slow imports below is one line too
+memory_errors_in_one_line()
 
 import glob
 import os
@@ -26,6 +26,8 @@ from configurator import check_device, check_memory, configure, describe, durati
 from data.common import PrepareError, check_meta, tokenizer
 from model import GPT, num_params
 from timing import generate_in_turns
+
+exit_on_signals()  # imported: Ctrl-C a KeyboardInterrupt again (one line: memory_errors_in_one_line's hook)
 
 # -----------------------------------------------------------------------------
 out_dir = ''                # '' = the newest checkpoint under ./out*/
@@ -45,13 +47,7 @@ linear_kernels = 'fla'     # the linear layouts: fla's Triton kernels on CUDA if
 # -----------------------------------------------------------------------------
 config_keys = [k for k, v in globals().items() if not k.startswith('_') and isinstance(v, (int, float, bool, str))]
 
-
-def output_lost(why):  # `| head`: the reader has what it wanted, so end quietly; a full disk: one line, exit 1
-    why and say(f"error: {why}")
-    os._exit(1 if why else 0)
-
-
-on_closed_output(output_lost)
+on_closed_output(end_on_lost_output)  # `| head`: the reader has what it wanted; a full disk: one line
 globals().update(configure({k: globals()[k] for k in config_keys if k != 'config_keys'}, sys.argv[1:], __file__))
 # -----------------------------------------------------------------------------
 

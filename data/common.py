@@ -9,6 +9,7 @@ import urllib.request
 import numpy as np
 
 from configurator import Parser, fail
+from interrupts import end_on_lost_output, on_closed_output
 
 URL = 'https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt'
 ENV = 'SHAKESPEARE_PATH'
@@ -170,6 +171,7 @@ def cli(prepare, description):
     p.add_argument('--out_dir', default=here,
                    help='where train.bin, val.bin, meta.json go (default: beside this script)')
     args = p.parse_args()
+    on_closed_output(end_on_lost_output)  # stdout's disk full: said as such, not as the dataset's
     try:
         run_prepare(prepare, args.out_dir, args.input)
     except PrepareError as e:

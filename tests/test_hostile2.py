@@ -126,10 +126,13 @@ def test_a_killed_prepare_script_leaves_no_temp_file(tmp_path):
 @pytest.mark.parametrize('sig', [signal.SIGINT, signal.SIGTERM], ids=['SIGINT', 'SIGTERM'])
 @pytest.mark.parametrize('delay', [0.1, 0.6])
 def test_the_other_scripts_stopped_during_start_up_say_one_line(tmp_path, sig, delay):
-    """sample.py and a prepare script stopped while torch or numpy is still being imported (Ctrl-C gave a traceback,
-    SIGTERM nothing at all): one line on stderr, exit 130 or 143. Their handlers come before the slow imports."""
-    for script in ('sample.py', 'data/shakespeare_char/prepare.py'):
-        p = subprocess.Popen([sys.executable, script, f'--out_dir={tmp_path / "none"}'], cwd=ROOT, text=True,
+    """sample.py, bench.py and a prepare script stopped while torch or numpy is still being imported (Ctrl-C gave a
+    traceback, or pybind11's abort inside torch's import; SIGTERM nothing at all): one line on stderr, exit 130 or
+    143. Their handlers come before the slow imports."""
+    for script, *args in (('sample.py', f'--out_dir={tmp_path / "none"}'),
+                          ('data/shakespeare_char/prepare.py', f'--out_dir={tmp_path / "none"}'),
+                          ('bench.py', 'cache', '--layouts=mha', f'--out={tmp_path / "bench"}')):
+        p = subprocess.Popen([sys.executable, script, *args], cwd=ROOT, text=True,
                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                              preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # as a foreground Ctrl-C
         time.sleep(delay)

@@ -342,3 +342,27 @@ def test_a_resume_rewrites_foreign_non_finite_rows_as_null(tmp_path, char_data, 
     strict = lambda name: pytest.fail(f"{name} in metrics.jsonl")
     rows = [json.loads(line, parse_constant=strict) for line in open(tmp_path / 'metrics.jsonl')]
     assert {'iter': 2, 'val/loss': None, 'train/loss': None} in rows and rows[-1]['iter'] == 6
+
+
+def test_bench_and_prepare_on_a_full_disk_say_one_line(tmp_path):
+    """bench.py's report printed to /dev/full was a traceback (the report is in --out by then); a prepare script
+    whose stdout is full blamed the dataset, which it had written whole."""
+    import subprocess
+    import sys
+    from conftest import ROOT
+    with open('/dev/full', 'w') as full:
+        r = subprocess.run([sys.executable, 'bench.py', 'cache', '--layouts=mha', f'--out={tmp_path / "b"}'], cwd=ROOT,
+                           stdout=full, stderr=subprocess.PIPE, text=True, timeout=300)
+        assert r.returncode == 1 and r.stderr == "error: cannot write to stdout (No space left on device)\n", r.stderr
+        assert (tmp_path / 'b' / 'cache.md').exists()
+        from conftest import SHAKESPEARE
+        r = subprocess.run([sys.executable, 'data/shakespeare_char/prepare.py', f'--out_dir={tmp_path / "p"}',
+                            f'--input={SHAKESPEARE}'], cwd=ROOT, stdout=full, stderr=subprocess.PIPE, text=True,
+                           timeout=300)
+        assert r.returncode == 1 and r.stderr == "error: cannot write to stdout (No space left on device)\n", r.stderr
+        assert sorted(os.listdir(tmp_path / 'p')) == ['meta.json', 'train.bin', 'val.bin']
+    r = run('bench.py', 'mqar', '--layouts=mha', '--seeds=1', '--vocab=16', '--sets=12:2,16:4', '--max_iters=5',
+            f'--out={tmp_path / "m"}', limit=2 ** 16)  # (its data set past the file-size limit)
+    assert r.returncode == 2 and 'Traceback' not in r.stderr, r.stderr  # (its progress line, then one line)
+    assert r.stderr.splitlines()[-1] == f"error: cannot write the MQAR data in {tmp_path / 'm'}: File too large"
+    assert not [f for f in os.listdir(tmp_path / 'm') if f.startswith('.mqar-data-')]

@@ -246,10 +246,12 @@ def alive(pid):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize('wait', [0, 3])
 @pytest.mark.parametrize('sig', ['SIGINT', 'SIGTERM'])
-def test_bench_mqar_stopped_ends_its_workers_and_deletes_its_data(tmp_path, sig):
+def test_bench_mqar_stopped_ends_its_workers_and_deletes_its_data(tmp_path, sig, wait):
     """Ctrl-C left .mqar-data-XXXX/ in --out; SIGTERM died silently, left it, and orphaned the training workers (still
-    running 40 s later). Now: one line, the folder gone, no worker left."""
+    running 40 s later); Ctrl-C while the workers imported torch printed their tracebacks. Now: one line, the folder
+    gone, no worker left."""
     import os
     import signal
     import subprocess
@@ -264,12 +266,12 @@ def test_bench_mqar_stopped_ends_its_workers_and_deletes_its_data(tmp_path, sig)
         assert time.time() < deadline and p.poll() is None, p.stderr.read() if p.poll() is not None else 'slow'
         time.sleep(0.2)
     assert [f.name for f in tmp_path.iterdir() if f.name.startswith('.mqar-data-')]
-    time.sleep(3)  # the workers training
+    time.sleep(wait)  # the workers importing torch, or training
     os.killpg(p.pid, getattr(signal, sig)) if sig == 'SIGINT' else p.send_signal(signal.SIGTERM)  # (a terminal's: all)
     _, err = p.communicate(timeout=60)
     assert p.returncode == (130 if sig == 'SIGINT' else 128 + signal.SIGTERM), err
     assert err.splitlines()[-1] == ('error: interrupted' if sig == 'SIGINT' else 'error: stopped by SIGTERM'), err
-    assert 'Traceback' not in err and 'leaked' not in err, err
+    assert 'Traceback' not in err and 'KeyboardInterrupt' not in err and 'leaked' not in err, err
     assert not [f.name for f in tmp_path.iterdir() if f.name.startswith('.mqar-data-')]
     time.sleep(1)
     assert not [w for w in workers if alive(w)]

@@ -262,17 +262,18 @@ def test_bench_mqar_stopped_ends_its_workers_and_deletes_its_data(tmp_path, sig,
                           '--sets=12:2,16:4', '--max_iters=100000', f'--out={tmp_path}'], cwd=ROOT,
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
     deadline = time.time() + 120
-    while len(workers := [c for c in children(p.pid) if b'spawn_main' in open(f'/proc/{c}/cmdline', 'rb').read()]) < 2:
+    data = lambda: [f.name for f in tmp_path.iterdir() if f.name.startswith('.mqar-data-')]
+    while len(workers := [c for c in children(p.pid) if b'spawn_main' in open(f'/proc/{c}/cmdline', 'rb').read()]) < 2 \
+            or not data():  # (the workers start first, then the data is written)
         assert time.time() < deadline and p.poll() is None, p.stderr.read() if p.poll() is not None else 'slow'
-        time.sleep(0.2)
-    assert [f.name for f in tmp_path.iterdir() if f.name.startswith('.mqar-data-')]
+        time.sleep(0.05)
     time.sleep(wait)  # the workers importing torch, or training
     os.killpg(p.pid, getattr(signal, sig)) if sig == 'SIGINT' else p.send_signal(signal.SIGTERM)  # (a terminal's: all)
     _, err = p.communicate(timeout=60)
     assert p.returncode == (130 if sig == 'SIGINT' else 128 + signal.SIGTERM), err
     assert err.splitlines()[-1] == ('error: interrupted' if sig == 'SIGINT' else 'error: stopped by SIGTERM'), err
     assert 'Traceback' not in err and 'KeyboardInterrupt' not in err and 'leaked' not in err, err
-    assert not [f.name for f in tmp_path.iterdir() if f.name.startswith('.mqar-data-')]
+    assert not data()
     time.sleep(1)
     assert not [w for w in workers if alive(w)]
 

@@ -11,7 +11,7 @@ report to --out/MODE.md (default out-bench/); --readme writes results/MODE.md an
     python bench.py mqar                  # associative recall vs the number of pairs: what a fixed state can hold
     python bench.py gpu --nanogpt PATH    # the one GPU report: roofline, generation, training step, profile, fla
 """
-from interrupts import end_on_lost_output, exit_at_once, exit_on_signals, memory_errors_in_one_line, on_closed_output
+from run.interrupts import end_on_lost_output, exit_at_once, exit_on_signals, memory_errors_in_one_line, on_closed_output
 
 if __name__ == '__main__':  # first: Ctrl-C (and SIGTERM, SIGHUP) during the slow imports below is one line too
     exit_at_once()
@@ -39,12 +39,12 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
-from checkpoint import FileError, in_use, remove_run, why, write_atomic
+from run.checkpoint import FileError, in_use, remove_run, why, write_atomic
 from configurator import Parser, check_device, check_memory, checked, describe, fail, parse_value
 from data.mqar.prepare import SETS, load, parse_sets, parse_vocab, prepare, zoology
-from timing import generate_in_turns, take_turns
-from linear import linear_chunked
-from linear_fla import FLA, fla_runs, linear_fla
+from benchmarks.timing import generate_in_turns, take_turns
+from ops.linear import linear_chunked
+from ops.linear_fla import FLA, fla_runs, linear_fla
 from model import ATTN_LAYOUTS, GPT, GPTConfig, LINEAR_RULES, num_params
 
 os.environ.setdefault('KINETO_LOG_LEVEL', '6')  # no 'USDT: profiler_start' lines (inductor profiles GPU kernels)
@@ -316,7 +316,7 @@ def roofline(layouts, sizes, batch, contexts, device, dtype, compile=False, unca
                 fns[attn, t, kind] = step
                 if kind == 'eager':  # what one step computes (on SDPA's math backend: the counter sees no fused
                     counter = FlopCounterMode(display=False)
-                    with patch('softmax.DECODE_BACKENDS', math), sdpa_kernel(math), counter as fc:
+                    with patch('ops.softmax.DECODE_BACKENDS', math), sdpa_kernel(math), counter as fc:
                         step()  # kernels), and what it reads (now that it ran, the cache holds t + 1 keys)
                     runs[attn, t] = dict(flops=fc.get_total_flops(),
                                          bytes=sum(p.nbytes for p in model.parameters()) + cache.nbytes)

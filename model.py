@@ -14,10 +14,10 @@ import torch
 import torch.nn as nn
 from torch.nn import functional as F
 
-from cache import Cache, LayerCache
-from linear import ShortConv, l2norm, linear_chunked, linear_step, phi
-from linear_fla import fla_runs, linear_fla
-from softmax import apply_rope, attend, rope_table
+from ops.cache import Cache, LayerCache
+from ops.linear import ShortConv, l2norm, linear_chunked, linear_step, phi
+from ops.linear_fla import fla_runs, linear_fla
+from ops.softmax import apply_rope, attend, rope_table
 
 # The linear layouts, the founding chapter's table: each keeps a fixed state S per head and rewrites it every token,
 #     S_t = α_t S_{t-1} (I - β_t k_t k_tᵀ) + β_t v_t k_tᵀ,     o_t = S_t q_t,

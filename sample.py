@@ -7,7 +7,7 @@ Sample from a trained checkpoint, with or without the cache, or both side by sid
     python sample.py --out_dir=out-shakespeare-char-mla --compare            # both ways: same tokens? speed? bytes?
     python sample.py --start=FILE:prompt.txt --num_samples=1 --temperature=0
 """
-from interrupts import end_on_lost_output, exit_at_once, exit_on_signals, memory_errors_in_one_line, on_closed_output
+from run.interrupts import end_on_lost_output, exit_at_once, exit_on_signals, memory_errors_in_one_line, on_closed_output
 
 exit_at_once()  # first: Ctrl-C (and SIGTERM, SIGHUP) during the slow imports below is one line too
 memory_errors_in_one_line()
@@ -21,11 +21,11 @@ from dataclasses import replace
 
 import torch
 
-from checkpoint import FileError, checkpoints, newest_out_dir, read_checkpoint, trained_on, weights
+from run.checkpoint import FileError, checkpoints, newest_out_dir, read_checkpoint, trained_on, weights
 from configurator import check_device, check_memory, configure, describe, duration, fail
 from data.common import PrepareError, check_meta, tokenizer
 from model import GPT, num_params
-from timing import generate_in_turns
+from benchmarks.timing import generate_in_turns
 
 exit_on_signals()  # imported: Ctrl-C a KeyboardInterrupt again (one line: memory_errors_in_one_line's hook)
 

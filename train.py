@@ -9,7 +9,7 @@ Train one attention layout on tiny Shakespeare (nanoGPT's train.py, one layout s
 Every key below can be set by a config file or --key=value (see configurator.py). What is written to out_dir, and
 what is promised about it after an error, a kill, an interrupt or a divergence: checkpoint.py.
 """
-from interrupts import Interrupts  # first: Ctrl-C, SIGTERM or SIGHUP during the slow imports below: one line, exit 130
+from run.interrupts import Interrupts  # first: Ctrl-C, SIGTERM or SIGHUP during the slow imports below: one line, exit 130
 
 interrupts = Interrupts()
 
@@ -28,15 +28,15 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from checkpoint import (FileError, Run, changed, checkpoints, in_use, kept, load_optimizer, model_flags,
+from run.checkpoint import (FileError, Run, changed, checkpoints, in_use, kept, load_optimizer, model_flags,
                         read_checkpoint, resume_command, resume_state, weights)
 from configurator import check_device, check_memory, configure, describe, duration, fail
-from convert import conversion
+from run.convert import conversion
 from data.common import PrepareError, open_data, sample_prompt
-from interrupts import memory_errors_in_one_line, on_closed_output
-from linear_fla import fla_runs
+from run.interrupts import memory_errors_in_one_line, on_closed_output
+from ops.linear_fla import fla_runs
 from model import GPT, GPTConfig, LINEAR_RULES, num_params
-from wandb_run import WandB
+from run.wandb_run import WandB
 
 # -----------------------------------------------------------------------------
 # defaults: nanoGPT's baby GPT on shakespeare_char

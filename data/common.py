@@ -9,7 +9,7 @@ import urllib.request
 import numpy as np
 
 from configurator import Parser, fail
-from interrupts import end_on_lost_output, on_closed_output
+from run.interrupts import end_on_lost_output, on_closed_output
 
 URL = 'https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt'
 ENV = 'SHAKESPEARE_PATH'

@@ -15,7 +15,7 @@ import sys
 import tempfile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-FILES = ('model.py', 'softmax.py', 'linear.py', 'cache.py')
+FILES = ('model.py', 'ops/softmax.py', 'ops/linear.py', 'ops/cache.py')
 MODEL_TESTS = ['test_attention.py', 'test_cache.py', 'test_config.py', 'test_generate.py', 'test_gpt.py',
                'test_hybrid.py', 'test_linear.py', 'test_memory.py', 'test_mla.py', 'test_property.py', 'test_reference.py']
 

@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from softmax import attend, filled
+from ops.softmax import attend, filled
 
 B, H, H_KV, D = 2, 4, 2, 8
 SHAPES = [(6, 6), (1, 9), (3, 7)]  # (L, S): prefill, decode, a chunk after a prefill

@@ -60,7 +60,7 @@ def test_decode_report_on_a_tiny_model(tmp_path):
 def test_take_turns_shuffles_the_order():
     """Every measurement takes turns: each fn once a round, in an order that changes (so neighbours change too)."""
     calls = []
-    times = __import__('timing').take_turns({k: lambda k=k: calls.append(k) for k in 'abcdef'}, 'cpu', rounds=5)
+    times = __import__('benchmarks.timing', fromlist=['take_turns']).take_turns({k: lambda k=k: calls.append(k) for k in 'abcdef'}, 'cpu', rounds=5)
     rounds = [''.join(calls[i:i + 6]) for i in range(0, 30, 6)]
     assert all(sorted(r) == list('abcdef') for r in rounds) and len(set(rounds)) == 5
     assert len({r[r.index('a') - 1] for r in rounds if r[0] != 'a'}) > 1  # what runs just before 'a' changes

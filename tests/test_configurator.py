@@ -82,7 +82,7 @@ def test_help_lists_every_key_with_its_default_and_comment(script, flag):
                                     "RuntimeError('CUDA out of memory. Tried to allocate')", "ValueError('other')"])
 def test_memory_errors_are_one_line(raised):
     """What passes the size checks and still fails to allocate: one line and exit 2; other errors keep their traceback."""
-    r = subprocess.run([sys.executable, '-c', "from interrupts import memory_errors_in_one_line\n"
+    r = subprocess.run([sys.executable, '-c', "from run.interrupts import memory_errors_in_one_line\n"
                         f"memory_errors_in_one_line('--batch_size')\nraise {raised}"], cwd=ROOT, capture_output=True,
                        text=True)
     if 'other' in raised:

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from conftest import make_model, full_logits
-from convert import pool_kv_heads
+from run.convert import pool_kv_heads
 from model import GPT
 
 

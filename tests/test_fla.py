@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from conftest import LINEAR_RULES, make_model
-from linear import linear_chunked, linear_step
-from linear_fla import linear_fla
+from ops.linear import linear_chunked, linear_step
+from ops.linear_fla import linear_fla
 
 pytest.importorskip('fla')
 DEVICE = 'cuda' if torch.cuda.is_available() else 'cpu'
@@ -28,7 +28,7 @@ def triton_runs(monkeypatch):
     and no tensor loop index from a Python range() in a kernel (fla calls .to() on it)."""
     if DEVICE == 'cuda':
         return
-    for where in ('linear_fla', 'model', 'bench'):  # (the scripts run fla on CUDA only)
+    for where in ('ops.linear_fla', 'model', 'bench'):  # (the scripts run fla on CUDA only)
         monkeypatch.setattr(f'{where}.fla_runs', lambda x: True)
     import triton.language as tl
     import triton.runtime.autotuner as autotuner

@@ -128,7 +128,7 @@ def test_decode_tokens_do_not_depend_on_the_sdpa_backend(attn, backend, monkeypa
     """Greedy tokens, cached and not, are the same whether SDPA runs its fused kernel or the math one,
     in prefill (the caller's choice, math where the fused kernel can't: MLA's training path has d_k != d_v)
     and in decode (attend's DECODE_BACKENDS)."""
-    import softmax
+    from ops import softmax
     from torch.nn.attention import SDPBackend, sdpa_kernel
     m = make_model(attn, dtype=torch.float32)
     prompt = torch.randint(0, 40, (2, 4), generator=torch.Generator().manual_seed(0))

@@ -219,7 +219,7 @@ def test_conversion_and_start_up_hostile_pass(tmp_path, char_data):
     is one line; so is a RANK left in the environment outside torchrun, and a gradient_accumulation_steps that
     torchrun's processes cannot share."""
     import numpy as np
-    from checkpoint import FileError, read_checkpoint
+    from run.checkpoint import FileError, read_checkpoint
     train(tmp_path / 'run', char_data, '--max_iters=2', '--eval_interval=2')
     good = (tmp_path / 'run' / 'ckpt.pt').read_bytes()
     for offset in (100, 1500, len(good) // 2, len(good) - 5000):  # the pickle, its tensors
@@ -263,7 +263,7 @@ def test_a_changed_name_length_in_the_zip_is_named_corrupted_not_loaded_shifted(
     import struct
     import zipfile
     from dataclasses import asdict
-    from checkpoint import FileError, read_checkpoint
+    from run.checkpoint import FileError, read_checkpoint
     from model import GPT, GPTConfig
     cfg = GPTConfig(attn='deltanet', n_layer=2, n_head=2, n_embd=32, block_size=16)
     state = {'model': GPT(cfg).state_dict(), 'model_args': asdict(cfg), 'iter_num': 1, 'best_val_loss': 1.0}
@@ -290,7 +290,7 @@ def test_a_part_marked_a_folder_a_bad_zip64_locator_and_the_old_format_are_refus
     torch.save file at all, said so. Each is one FileError."""
     import struct
     from dataclasses import asdict
-    from checkpoint import FileError, read_checkpoint
+    from run.checkpoint import FileError, read_checkpoint
     from model import GPT, GPTConfig
     cfg = GPTConfig(n_layer=1, n_head=2, n_embd=16, block_size=16)
     state = {'model': GPT(cfg).state_dict(), 'model_args': asdict(cfg)}

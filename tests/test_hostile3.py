@@ -6,7 +6,7 @@ import re
 import pytest
 import torch
 
-from checkpoint import FileError, load_optimizer, read_checkpoint
+from run.checkpoint import FileError, load_optimizer, read_checkpoint
 from conftest import tiny
 from model import GPT
 from test_hostile import one_line, run
@@ -110,7 +110,7 @@ def test_bench_never_deletes_a_live_run(tmp_path):
             r = run('bench.py', 'train', '--layouts=mha', '--max_iters=1', f'--out={run_dir.parent.parent}')
             assert f"{run_dir} is in use by a live train.py run" in one_line(r)
         assert (run_dir / 'metrics.jsonl').read_text() == '{"iter": 0}\n'
-    from checkpoint import remove_run
+    from run.checkpoint import remove_run
     with open(run_dir / 'train.lock', 'a') as lock:
         fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
         with pytest.raises(FileError, match="in use by a live train.py run"):
@@ -171,7 +171,7 @@ def test_a_fifo_in_the_data_folder_is_one_line_not_a_hang(tmp_path, char_data):
 def test_a_checkpoint_that_vanishes_while_being_read(tmp_path, saved, monkeypatch, capsys):
     """--eval_only=True takes no lock: a live run that saves ckpt.pt removes last.pt between our listing and opening
     it (a traceback): the vanished one is skipped, or named in one line if it was the only one."""
-    import checkpoint
+    from run import checkpoint
     (tmp_path / 'ckpt.pt').write_bytes((saved[0] / 'ckpt.pt').read_bytes())
     (tmp_path / 'last.pt').write_bytes(b'soon gone')
     listed = checkpoint.checkpoints(str(tmp_path))
@@ -326,7 +326,7 @@ def test_a_flag_the_layout_does_not_use_on_a_resume_names_no_other_flag(tmp_path
 
 def test_a_checkpoint_removed_after_torch_load_read_it_is_named_so(tmp_path, saved, monkeypatch):
     """Removed after torch.load read it and before its CRCs were checked: it was called torch.save's old format."""
-    import checkpoint
+    from run import checkpoint
     (tmp_path / 'ckpt.pt').write_bytes((saved[0] / 'ckpt.pt').read_bytes())
     load = torch.load
     monkeypatch.setattr(checkpoint.torch, 'load', lambda path, **kw: (load(path, **kw), os.remove(path))[0])

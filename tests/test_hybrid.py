@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from conftest import make_model, tiny
-from convert import pool_kv_heads
+from run.convert import pool_kv_heads
 from model import GPT, LINEAR_RULES, num_params
-from softmax import rope_table
+from ops.softmax import rope_table
 from test_memory import table_layer_elements
 
 # (attn, n_layer, each layer's layout written out): Qwen3-Next's 3:1 on 6 layers is the README's own hybrid

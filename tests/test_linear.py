@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from conftest import make_model
-from linear import ShortConv, UnitLowerSolve, linear_chunked, linear_step, phi
+from ops.linear import ShortConv, UnitLowerSolve, linear_chunked, linear_step, phi
 from model import GPT, GPTConfig, LINEAR_RULES
 
 B, H, T, D = 2, 3, 50, 8

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from conftest import make_model, full_logits, tol
-from softmax import apply_rope
+from ops.softmax import apply_rope
 
 
 def layer0_inputs(model, idx):

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from conftest import make_model
-from softmax import apply_rope, rope_table
+from ops.softmax import apply_rope, rope_table
 
 T = 12
 ATOL = 1e-6  # float64 models, but the model's RoPE table holds float32 cos/sin (~6e-8); the bugs are O(1e-2)

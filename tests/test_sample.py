@@ -214,7 +214,7 @@ def test_a_changed_pickle_protocol_is_one_line_without_torchs_warning(tmp_path, 
     one line only, for the checkpoint asked for and for another ./out*/ one looked into. A warning from a load that
     succeeds is still shown."""
     import warnings
-    from checkpoint import read_checkpoint
+    from run.checkpoint import read_checkpoint
     good = open(os.path.join(ckpt_dir, 'ckpt.pt'), 'rb').read()
     at = good.find(b'\x80\x02')  # the pickle's PROTO opcode and its protocol, 2
     for name in ('out-bad', 'out-good'):  # out-good the newer: picked, out-bad looked into for its data

@@ -8,7 +8,7 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-from interrupts import exit_on_signals, memory_errors_in_one_line  # noqa: E402
+from run.interrupts import exit_on_signals, memory_errors_in_one_line  # noqa: E402
 
 if __name__ == '__main__':  # first: Ctrl-C or a kill during the slow imports below is one line too
     memory_errors_in_one_line()

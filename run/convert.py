@@ -5,7 +5,7 @@ import os
 
 import torch
 
-from checkpoint import RESUME, FileError, read_checkpoint, trained_on, weights
+from run.checkpoint import RESUME, FileError, read_checkpoint, trained_on, weights
 from configurator import describe, fail
 from data.common import PrepareError, open_data
 from model import GPTConfig

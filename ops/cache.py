@@ -13,7 +13,7 @@ buffer under a mask of the filled blocks (FlexAttention): one compiled graph ser
 """
 import torch
 
-from softmax import filled
+from ops.softmax import filled
 
 
 class LayerCache:

@@ -1,7 +1,7 @@
 """
-nanoGPT-style configuration, with checks: config files, --key=value, types, --help, and the one-line errors every
-script shares (fail, describe, argparse's Parser, the device and memory checks of --device and sizes). Imports no
-module of ours.
+nanoGPT-style configuration, with checks: config files, --key=value, types, --help, and the one-line
+errors every script shares (fail, describe, argparse's Parser, the device and memory checks of
+--device and sizes). Imports no module of ours.
 
     python train.py config/gqa.py config/cpu.py --batch_size=32 --attn=mla
 
@@ -17,6 +17,7 @@ import os
 import re
 import sys
 import types
+from contextlib import contextmanager
 
 import torch
 
@@ -26,9 +27,19 @@ def fail(msg):
     sys.exit(2)
 
 
+@contextmanager
+def fail_on(*errors):
+    """Errors of these kinds (their message says what the user can fix) end the script as fail()
+    does: one line, exit 2."""
+    try:
+        yield
+    except errors as e:
+        fail(str(e))
+
+
 class Parser(argparse.ArgumentParser):
-    """argparse (bench.py, the prepare scripts) with its errors as one line, not its usage block, and exit code 2;
-    --help keeps the description's lines (its usage examples)."""
+    """argparse (bench.py, the prepare scripts) with its errors as one line, not its usage block,
+    and exit code 2; --help keeps the description's lines (its usage examples)."""
     def __init__(self, **kwargs):
         super().__init__(formatter_class=argparse.RawDescriptionHelpFormatter, **kwargs)
 
@@ -37,7 +48,8 @@ class Parser(argparse.ArgumentParser):
 
 
 def checked(kind, ok, rule):
-    """An argparse type: kind(text) if it passes ok, else the one-line error 'argument --NAME: TEXT: rule'."""
+    """An argparse type: kind(text) if it passes ok, else the one-line error 'argument --NAME:
+    TEXT: rule'."""
     def parse(text):
         try:
             if ok(value := kind(text)):
@@ -49,7 +61,8 @@ def checked(kind, ok, rule):
 
 
 def describe(e):
-    """An exception in one short line: its type and its message, whitespace folded, cut at 240 characters."""
+    """An exception in one short line: its type and its message, whitespace folded, cut at 240
+    characters."""
     return f"{type(e).__name__}: {' '.join(str(e).split())[:240] or '(no message)'}"
 
 
@@ -58,6 +71,13 @@ def duration(seconds):
     s = round(seconds)
     return f"{seconds:.1f} s" if seconds < 10 else f"{s} s" if s < 60 else \
         f"{s // 60}m{s % 60:02d}s" if s < 3600 else f"{s // 3600}h{s % 3600 // 60:02d}m"
+
+
+def default_dtype():
+    """--dtype's default: bfloat16 on a CUDA GPU that runs it, else float16; float32 on a CPU."""
+    if not torch.cuda.is_available():
+        return 'float32'
+    return 'bfloat16' if torch.cuda.is_bf16_supported() else 'float16'
 
 
 def check_device(device, dtype):
@@ -71,8 +91,8 @@ def check_device(device, dtype):
 
 
 def check_memory(need, device, what):
-    """One line and exit 2 when a size's lower bound of memory, need bytes, exceeds the device's: past it Linux kills
-    the process with no error to catch (a GPU fails deep inside a step)."""
+    """One line and exit 2 when a size's lower bound of memory, need bytes, exceeds the device's:
+    past it Linux kills the process with no error to catch (a GPU fails deep inside a step)."""
     if device.startswith('cuda'):
         have = torch.cuda.get_device_properties(torch.device(device)).total_memory
     elif hasattr(os, 'sysconf'):
@@ -83,8 +103,10 @@ def check_memory(need, device, what):
         need = float(need)
     except OverflowError:  # an integer past a float's range
         need = math.inf
-    if need > have:  # (need is inf for a size whose byte count overflows)
-        amount = f"at least {need / 1e9:,.1f} GB" if math.isfinite(need) else "more bytes than a 64-bit count holds"
+    if need > have:
+        amount = f"at least {need / 1e9:,.1f} GB"
+        if not math.isfinite(need):  # a size whose byte count overflows
+            amount = "more bytes than a 64-bit count holds"
         fail(f"{what} need {amount}; this {device.split(':')[0].upper()} has {have / 1e9:,.1f} GB")
 
 
@@ -92,7 +114,8 @@ def check(key, value, config, where):
     """The value, converted to the default's type, or fail naming the key and the expected type."""
     if key not in config:
         close = difflib.get_close_matches(key, list(config), n=1)
-        fail(f"unknown config key {key!r} in {where}" + (f" (did you mean {close[0]!r}?)" if close else ""))
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        fail(f"unknown config key {key!r} in {where}{hint}")
     default = config[key]
     kind = type(default)
     if kind is float and type(value) is int:
@@ -119,25 +142,49 @@ def parse_value(text, default):
 
 
 def usage(config, script):
-    """--help: the script's docstring, then every key with its default and the comment on its line in the
-    script's defaults (the lines the defaults come from), section comments kept."""
+    """--help: the script's docstring, then every key with its default and the comment on its line
+    in the script's defaults (the lines the defaults come from), section comments kept; train.py's
+    model fields (its `globals().update(` line) with their comments in model.py's GPTConfig."""
     source = open(script, encoding='utf-8').read()
     lines = [ast.get_docstring(ast.parse(source)) or '', 'keys (config files, then --key=value):']
     block = source.split('\n# ---')[1]  # the defaults: between the first two dashed lines
+    own = re.findall(r"^(\w+) = ", block, re.M)
     for line in block.splitlines()[1:]:
         key = re.match(r"(\w+) = ", line)
         if key and key.group(1) in config:
             comment = line.partition('  #')[2].strip()
-            value = config[key.group(1)]
-            value = repr(value) if isinstance(value, str) and not value.isprintable() else value
-            lines.append(f"  --{key.group(1)}={value}".ljust(34) + comment)
+            lines.append(key_line(key.group(1), config[key.group(1)], comment))
         elif line.startswith('# '):
             lines.append(line)
+        elif line.startswith('globals().update('):
+            model = os.path.join(os.path.dirname(os.path.abspath(script)), 'model.py')
+            fields = [(key, comment) for key, comment in dataclass_comments(model)
+                      if key in config and key not in own]
+            lines += [key_line(key, config[key], comment) for key, comment in fields]
     return '\n'.join(lines)
 
 
+def key_line(key, value, comment):
+    value = repr(value) if isinstance(value, str) and not value.isprintable() else value
+    return f"  --{key}={value}".ljust(34) + comment
+
+
+def dataclass_comments(path):
+    """[(field, the comment on its line)] of the `name: type = default  # comment` lines in path."""
+    source = open(path, encoding='utf-8').read()
+    return re.findall(r"^    (\w+): \w+ = .*?(?:  # (.*))?$", source, re.M)
+
+
+def defaults(namespace):
+    """A script's settings, from its globals once its defaults are assigned: each int, float, bool
+    or str not named _private (nanoGPT's config_keys)."""
+    setting = lambda k, v: not k.startswith('_') and isinstance(v, (int, float, bool, str))
+    return {k: v for k, v in namespace.items() if setting(k, v)}
+
+
 class Assignments(dict):
-    """A config file's namespace: the names it assigns, in order, even to the value they already hold."""
+    """A config file's namespace: the names it assigns, in order, even to the value they already
+    hold."""
 
     def __init__(self, config):
         super().__init__(config)
@@ -149,9 +196,9 @@ class Assignments(dict):
 
 
 def configure(config, argv, script=None, given=None):
-    """config: {key: default}. Returns a new dict with config files and overrides applied, in order; given (a dict)
-    gets each key they set and what set it last: the config file's path or '--key'. -h / --help prints the keys of
-    `script` and exits."""
+    """config: {key: default}. Returns a new dict with config files and overrides applied, in
+    order; given (a dict) gets each key they set and what set it last: the config file's path or
+    '--key'. -h / --help prints the keys of `script` and exits."""
     config = dict(config)
     if script and ({'-h', '--help'} & set(argv)):
         print(usage(config, script))
@@ -159,7 +206,8 @@ def configure(config, argv, script=None, given=None):
     for arg in argv:
         if not arg.startswith('--'):
             if not arg.endswith('.py'):
-                fail(f"unexpected argument {arg!r}: give config files (*.py) and --key=value overrides")
+                fail(f"unexpected argument {arg!r}: give config files (*.py) and --key=value "
+                     "overrides")
             if not os.path.isfile(arg):
                 fail(f"config file {arg!r} not found")
             scope = Assignments(config)

@@ -1,1 +1,2 @@
-"""The maths model.py switches between: softmax attention, the linear rules (ours and fla's), the cache."""
+"""The maths model.py switches between: softmax attention, MLA's two ways to attend, the linear
+rules (ours and fla's), the cache, and sampling a token."""

@@ -1,1 +1,1 @@
-"""What keeps a run alive and its files safe: checkpoints and resume, interrupts, W&B, MHA -> GQA conversion."""
+"""A run's upkeep: settings, checkpoints and resume, interrupts, DDP, AdamW, W&B, conversion."""

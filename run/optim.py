@@ -1,5 +1,5 @@
 """
-AdamW and its learning-rate schedule: what train.py trains with (nanoGPT's), and bench.py mqar's runs too.
+AdamW and its learning-rate schedule: what train.py trains with (nanoGPT's), bench.py mqar too.
 """
 import math
 
@@ -15,7 +15,8 @@ def adamw(model, learning_rate, weight_decay, betas, device_type='cpu'):
 
 
 def cosine_lr(it, learning_rate, warmup_iters, lr_decay_iters, min_lr):
-    """Linear warmup to learning_rate over warmup_iters, cosine decay to min_lr at lr_decay_iters, then min_lr."""
+    """Linear warmup to learning_rate over warmup_iters, cosine decay to min_lr at lr_decay_iters,
+    then min_lr."""
     if it < warmup_iters:
         return learning_rate * (it + 1) / (warmup_iters + 1)
     if it > lr_decay_iters:

@@ -1,12 +1,13 @@
-"""Deliberate one-line bugs in model.py and the files of its maths (softmax.py, linear.py, cache.py), each run
-against the tests: how many does the suite catch?
+"""Deliberate one-line bugs in model.py and the files of its maths (ops/: softmax.py, mla.py,
+linear.py, cache.py, sampling.py), each run against the tests: how many does the suite catch?
 
-    python tests/mutants.py          # every mutant against the model-level tests (no train.py runs; minutes)
+    python tests/mutants.py          # every mutant against the model-level tests (minutes)
     python tests/mutants.py --all    # ... and each survivor against the whole suite
     python tests/mutants.py delta mla  # only the mutants whose name contains 'delta' or 'mla'
 
-Each mutant replaces one exact fragment of those files in a copy of the repo (never the working tree).
-A fragment that does not occur exactly once in them stops the run: a stale list must not pass for a caught bug.
+Each mutant replaces one exact fragment of those files in a copy of the repo's working tree (never
+the tree itself). A fragment that does not occur exactly once in them stops the run: a stale list
+must not pass for a caught bug.
 """
 import os
 import shutil
@@ -15,85 +16,125 @@ import sys
 import tempfile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-FILES = ('model.py', 'ops/softmax.py', 'ops/linear.py', 'ops/cache.py')
-MODEL_TESTS = ['test_attention.py', 'test_cache.py', 'test_config.py', 'test_generate.py', 'test_gpt.py',
-               'test_hybrid.py', 'test_linear.py', 'test_memory.py', 'test_mla.py', 'test_property.py', 'test_reference.py']
+FILES = ('model.py', 'ops/softmax.py', 'ops/mla.py', 'ops/linear.py', 'ops/cache.py',
+         'ops/sampling.py')
+# no train.py runs; the quick files first, so that -x stops a caught mutant early
+MODEL_TESTS = ['test_reference.py', 'test_mla.py', 'test_config.py', 'test_hybrid.py',
+               'test_attention.py', 'test_linear.py', 'test_memory.py', 'test_property.py',
+               'test_cache.py', 'test_generate.py', 'test_gpt.py']
 
 MUTANTS = [  # (what the bug is, the fragment, its replacement)
-    ("RoPE: theta_i = base^(-i/d)", "dtype=torch.float64, device=positions.device) / dim))",
-     "dtype=torch.float64, device=positions.device) / (2 * dim)))"),
+    ("RoPE: theta_i = base^(-i/d)",
+     "device=positions.device) / dim\n", "device=positions.device) / (2 * dim)\n"),
     ("RoPE: rotates the other way", "% 2 == 0)  # -1, +1, -1", "% 2 == 1)  # -1, +1, -1"),
-    ("RoPE: pairs (x[i], x[i + d/2]) in apply_rope only", "x32.unflatten(-1, (-1, 2)).flip(-1).flatten(-2)",
+    ("RoPE: pairs (x[i], x[i + d/2]) in apply_rope only",
+     "x32.unflatten(-1, (-1, 2)).flip(-1).flatten(-2)",
      "x32.unflatten(-1, (2, -1)).flip(-2).flatten(-2)"),
-    ("RoPE: every chunk rotated from position 0", "rope_table(self.rope_dim, positions, self.config.rope_base)",
+    ("RoPE: every chunk rotated from position 0",
+     "rope_table(self.rope_dim, positions, self.config.rope_base)",
      "rope_table(self.rope_dim, positions - positions[0], self.config.rope_base)"),
-    ("attend: no causal mask in training/prefill", "dropout_p=dropout_p, is_causal=True, scale=scale,",
-     "dropout_p=dropout_p, is_causal=False, scale=scale,"),
-    ("attend: square (top-left) mask for L != S", ".tril(S - L)  # query i sees", ".tril()  # query i sees"),
-    ("attend: decode groups interleaved (h % n_kv)", "q.reshape(B, H // G, G * L, D), k, v,",
-     "(q if G == 1 else q.reshape(B, G, H // G, D).transpose(1, 2)).reshape(B, H // G, G * L, D), k, v,"),
-    ("softmax layouts: no 1/sqrt(d) scale", "self.out(attend(q, k, v, dropout_p=self.dropout if self.training else 0.0, mask=mask))",
-     "self.out(attend(q, k, v, 1.0, dropout_p=self.dropout if self.training else 0.0, mask=mask))"),
-    ("cache: update returns only the new keys", "return *[buf[:, :, :pos + L] for buf in self.bufs], None",
-     "return *[buf[:, :, pos:pos + L] for buf in self.bufs], None"),
-    ("static cache: the mask shows the next, unfilled position", "<= positions[:, None]", "<= positions[:, None] + 1"),
-    ("static cache: every write at position 0", "buf.index_copy_(2, positions, x)", "buf.index_copy_(2, positions - pos, x)"),
-    ("cache: position advances by 1 per forward", "cache.pos += L  # once", "cache.pos += 1  # once"),
-    ("cache accounting: h_q for h_kv", "2 * c.n_kv_head * c.head_dim * T", "2 * c.n_head * c.head_dim * T"),
-    ("MLA: scale 1/sqrt(d_h)", "self.scale = 1.0 / math.sqrt(self.dh + self.dR)", "self.scale = 1.0 / math.sqrt(self.dh)"),
+    ("attend: no causal mask in training/prefill",
+     "dropout_p=dropout_p, is_causal=True,", "dropout_p=dropout_p, is_causal=False,"),
+    ("attend: square (top-left) mask for L != S", ".tril(S - L)", ".tril()"),
+    ("attend: decode groups interleaved (h % n_kv)",
+     "q.reshape(B, H // G, G * L, D), k, v,",
+     "(q if G == 1 else q.reshape(B, G, H // G, D).transpose(1, 2))"
+     ".reshape(B, H // G, G * L, D), k, v,"),
+    ("softmax layouts: no 1/sqrt(d) scale",
+     "attend(q, k, v, dropout_p=self.dropout_p, mask=mask)",
+     "attend(q, k, v, 1.0, dropout_p=self.dropout_p, mask=mask)"),
+    ("cache: update returns only the new keys",
+     "return *[buf[:, :, :pos + L] for buf in bufs], None",
+     "return *[buf[:, :, pos:pos + L] for buf in bufs], None"),
+    ("static cache: the mask shows the next, unfilled position",
+     "j <= pos + i\n", "j <= pos + i + 1\n"),
+    ("static cache: every write at position 0",
+     "buf.index_copy_(2, positions, x)", "buf.index_copy_(2, positions - pos, x)"),
+    ("cache: position advances by 1 per forward",
+     "cache.pos += L  # once", "cache.pos += 1  # once"),
+    ("cache accounting: h_q for h_kv",
+     "2 * c.n_kv_head * c.head_dim * T", "2 * c.n_head * c.head_dim * T"),
+    ("MLA: scale 1/sqrt(d_h)",
+     "self.scale = 1.0 / math.sqrt(self.dh + self.dR)", "self.scale = 1.0 / math.sqrt(self.dh)"),
     ("MLA: rope key not rotated", "apply_rope(k_rope, rope)], dim=-1)", "k_rope], dim=-1)"),
-    ("MLA: rope query not rotated", "apply_rope(q[..., dh:], rope)], dim=-1)", "q[..., dh:]], dim=-1)"),
-    ("MLA: latent cached before its norm", "torch.cat([self.kv_norm(c), apply_rope", "torch.cat([c, apply_rope"),
-    ("MLA: decode absorbs W_UK for W_UV", "torch.einsum('bhlc,hdc->bhld', y, self.v_up.weight",
-     "torch.einsum('bhlc,hdc->bhld', y, self.k_up.weight"),
-    ("MLA: decode value includes k_R", "self.scale, dropout_p, mask)[..., :dc]", "self.scale, dropout_p, mask)[..., -dc:]"),
-    ("linear: phi = elu(x) + 2 below 0", "torch.exp(x.clamp(max=0)))", "torch.exp(x.clamp(max=0)) + 1)"),
-    ("linear: a chunk's quadratic part excludes step t", "device=q.device).tril()", "device=q.device).tril(-1)"),
-    ("linear: chunk state not decayed", "S = write if S is None else eG[:, :, -1:] * S + write",
+    ("MLA: rope query not rotated",
+     "apply_rope(q[..., dh:], rope)], dim=-1)", "q[..., dh:]], dim=-1)"),
+    ("MLA: latent cached before its norm",
+     "torch.cat([self.kv_norm(c), apply_rope", "torch.cat([c, apply_rope"),
+    ("MLA: decode absorbs W_UK for W_UV",
+     "torch.einsum('bhlc,hdc->bhld', y, W_UV)", "torch.einsum('bhlc,hdc->bhld', y, W_UK)"),
+    ("MLA: decode value includes k_R",
+     "scale, dropout_p, mask)[..., :dc]", "scale, dropout_p, mask)[..., -dc:]"),
+    ("linear: phi = elu(x) + 2 below 0",
+     "torch.exp(x.clamp(max=0)))", "torch.exp(x.clamp(max=0)) + 1)"),
+    ("linear: a chunk's quadratic part excludes step t",
+     "device=q.device).tril()", "device=q.device).tril(-1)"),
+    ("linear: chunk state not decayed",
+     "S = write if S is None else eG[:, :, -1:] * S + write",
      "S = write if S is None else S + write"),
     ("linear: denominator + 1", "(y[..., -1:] + 1e-6)", "(y[..., -1:] + 1.0)"),
-    ("linear: state bytes at 16 bits counted at 16 bits", "state = torch.promote_types(dtype, torch.float32).itemsize",
-     "state = dtype.itemsize"),
-    ("linear: normalizer z not counted", "c.n_head * c.head_dim * (c.head_dim + 1)", "c.n_head * c.head_dim * c.head_dim"),
+    ("linear: state bytes at 16 bits counted at 16 bits",
+     "state = torch.promote_types(dtype, torch.float32).itemsize", "state = dtype.itemsize"),
+    ("linear: normalizer z not counted",
+     "c.n_head * c.head_dim * (c.head_dim + 1)", "c.n_head * c.head_dim * c.head_dim"),
     ("conv inputs not counted", "c.head_dim + 3 * c.n_embd * (c.conv_size - 1)", "c.head_dim"),
-    ("conv not causal: its cached inputs skipped", "seen = torch.cat([seen[0], qkv], 1)",
-     "seen = torch.cat([qkv, seen[0]], 1)"),
-    ("conv: reads the future (taps shifted forward)", "c[:, s:].addcmul_(x[:, :-s], w[-1 - s])",
-     "c[:, :-s].addcmul_(x[:, s:], w[-1 - s])"),
-    ("conv backward: the input's gradient through the taps reversed", "dx[:, :-s].addcmul_(dc[:, s:], w[-1 - s])",
-     "dx[:, :-s].addcmul_(dc[:, s:], w[s])"),
-    ("conv backward: the taps' gradient from the first row only", "(dc[:, s:] * x[:, :x.size(1) - s]).sum((0, 1))",
+    ("conv not causal: its cached inputs skipped",
+     "seen = torch.cat([before, x], 1)", "seen = torch.cat([x, before], 1)"),
+    ("conv: reads the future (taps shifted forward)",
+     "c[:, s:].addcmul_(x[:, :-s], w[-1 - s])", "c[:, :-s].addcmul_(x[:, s:], w[-1 - s])"),
+    ("conv backward: the input's gradient through the taps reversed",
+     "dx[:, :-s].addcmul_(dc[:, s:], w[-1 - s])", "dx[:, :-s].addcmul_(dc[:, s:], w[s])"),
+    ("conv backward: the taps' gradient from the first row only",
+     "(dc[:, s:] * x[:, :x.size(1) - s]).sum((0, 1))",
      "(dc[:, s:] * x[:, :x.size(1) - s])[0].sum(0)"),
-    ("conv backward: the taps' gradients in reverse order", "for s in reversed(range(len(w)))", "for s in range(len(w))"),
-    ("delta solve backward: A's gradient with its diagonal", "(de @ u.mT).neg_().tril_(-1)", "(de @ u.mT).neg_().tril_()"),
-    ("delta solve backward: e's gradient through the inverse, not its transpose", "de = T.mT @ du", "de = T @ du"),
-    ("conv cache: the first inputs kept, not the last", "copy_(seen[:, L:])", "copy_(seen[:, :seen.size(1) - L])"),
+    ("conv backward: the taps' gradients in reverse order",
+     "for s in reversed(range(len(w)))", "for s in range(len(w))"),
+    ("delta solve backward: A's gradient with its diagonal",
+     "(de @ u.mT).neg_().tril_(-1)", "(de @ u.mT).neg_().tril_()"),
+    ("delta solve backward: e's gradient through the inverse, not its transpose",
+     "de = T.mT @ du", "de = T @ du"),
+    ("conv cache: the first inputs kept, not the last",
+     "copy_(seen[:, L:])", "copy_(seen[:, :seen.size(1) - L])"),
     ("linear family: decode step forgets nothing", "S = S * g.exp()[..., None]", "S = S * 1.0"),
-    ("linear family: no causal mask inside a chunk", "device=q.device).tril()", "device=q.device).tril(C)"),
+    ("linear family: no causal mask inside a chunk",
+     "device=q.device).tril()", "device=q.device).tril(C)"),
     ("gated rules: no causal mask inside a chunk", ".exp() * causal if gated", ".exp() if gated"),
-    ("gated rules: decays floored at e^-8", "(G - G.mT).tril().exp()", "(G - G.mT).tril().clamp(min=-8).exp()"),
+    ("gated rules: decays floored at e^-8",
+     "(G - G.mT).tril().exp()", "(G - G.mT).tril().clamp(min=-8).exp()"),
     ("gated rules: the decay's sign flipped", "(G - G.mT).tril().exp()", "(G.mT - G).tril().exp()"),
-    ("gated rules: a gate of 0 (g = -inf) summed unclamped", "else g.clamp(min=math.log(", "else g.clamp(min=-math.inf + 0 * ("),
-    ("gated rules: a gate floored at -10⁴ (float32's G loses digits)", "else g.clamp(min=math.log(",
-     "else g.clamp(min=-1e4 + 0 * math.log("),
-    ("no gate: α = e, not 1, in the chunked form", "torch.zeros_like(beta) if g is None", "torch.ones_like(beta) if g is None"),
-    ("delta rule: the solve's diagonal not unit", "upper=False, unitriangular=True)", "upper=False, unitriangular=False)"),
+    ("gated rules: a gate of 0 (g = -inf) summed unclamped",
+     "else g.clamp(min=math.log(", "else g.clamp(min=-math.inf + 0 * ("),
+    ("gated rules: a gate floored at -10⁴ (float32's G loses digits)",
+     "else g.clamp(min=math.log(", "else g.clamp(min=-1e4 + 0 * math.log("),
+    ("no gate: α = e, not 1, in the chunked form",
+     "torch.zeros_like(beta) if g is None", "torch.ones_like(beta) if g is None"),
+    ("delta rule: the solve's diagonal not unit",
+     "upper=False, unitriangular=True)", "upper=False, unitriangular=False)"),
     ("delta rule: S_0's correction dropped", "u - eG * (k @ S))", "u - 0 * (k @ S))"),
-    ("delta rule: no erase at decode", "v = beta[..., None] * (v - k @ S)", "v = beta[..., None] * v"),
-    ("delta rules: no 1/sqrt(d_k) on q", "l2norm(q) * self.head_dim ** -0.5", "l2norm(q) * 1.0"),
-    ("delta rules: q, k normed over time, not d_k", "(x * x).sum(-1, keepdim=True)", "(x * x).sum(-2, keepdim=True)"),
+    ("delta rule: no erase at decode",
+     "v = beta[..., None] * (v - k @ S)", "v = beta[..., None] * v"),
+    ("delta rules: no 1/sqrt(d_k) on q", "l2norm(q) * head_dim ** -0.5", "l2norm(q) * 1.0"),
+    ("delta rules: q, k normed over time, not d_k",
+     "(x * x).sum(-1, keepdim=True)", "(x * x).sum(-2, keepdim=True)"),
     ("retnet: gamma_h = 1 - 2^(-5+h)", "2.0 ** (-5.0 - heads)", "2.0 ** (-5.0 + heads)"),
-    ("mamba2: A ~ U[0, 16]", "torch.empty(H).uniform_(1, 16).log()", "torch.empty(H).uniform_(0, 16).log()"),
+    ("mamba2: A ~ U[0, 16]",
+     "torch.empty(H).uniform_(1, 16).log()", "torch.empty(H).uniform_(0, 16).log()"),
     ("mamba2: dt_bias = dt (no inverse softplus)", "dt + torch.log(-torch.expm1(-dt))", "dt"),
-    ("hybrid: pattern shifted by one layer", "[pattern[i % len(pattern)]", "[pattern[(i + 1) % len(pattern)]"),
-    ("hybrid counts: a partial period counted from its end", "p[:rest].count(a)", "p[len(p) - rest:].count(a)"),
-    ("hybrid: RoPE only if the first layer is softmax", "if config.pos_emb == 'rope' and config.softmax else 0",
+    ("hybrid: pattern shifted by one layer",
+     "[pattern[i % len(pattern)]", "[pattern[(i + 1) % len(pattern)]"),
+    ("hybrid counts: a partial period counted from its end",
+     "p[:rest].count(a)", "p[len(p) - rest:].count(a)"),
+    ("hybrid: RoPE only if the first layer is softmax",
+     "if config.pos_emb == 'rope' and config.softmax else 0",
      "if config.pos_emb == 'rope' and config.layouts[0] not in LINEAR_RULES else 0"),
-    ("MLA: query bottleneck of width d_c", "r = config.q_lora_rank  #", "r = config.q_lora_rank and config.kv_lora_rank  #"),
-    ("dropout on in eval (MLA)", "dropout_p = self.dropout if self.training else 0.0", "dropout_p = self.dropout"),
-    ("learned positions keep N(0, 1)", "if isinstance(module, (nn.Linear, nn.Embedding)):", "if isinstance(module, nn.Linear):"),
-    ("window: slide keeps the last token only", "start = idx.size(1) - max(1, block_size // 2)",
-     "start = idx.size(1) - 1"),
+    ("MLA: query bottleneck of width d_c",
+     "r = config.q_lora_rank  #", "r = config.q_lora_rank and config.kv_lora_rank  #"),
+    ("dropout on in eval (the softmax layouts' attention)",
+     "return self.dropout if self.training else 0.0", "return self.dropout"),
+    ("learned positions keep N(0, 1)",
+     "if isinstance(module, (nn.Linear, nn.Embedding)):", "if isinstance(module, nn.Linear):"),
+    ("window: slide keeps the last token only",
+     "start = idx.size(1) - max(1, block_size // 2)", "start = idx.size(1) - 1"),
     ("sample: top-k keeps ties below the k-th", "logits < v[:, [-1]]", "logits < v[:, [0]]"),
 ]
 
@@ -101,8 +142,8 @@ MUTANTS = [  # (what the bug is, the fragment, its replacement)
 def run(tests, tree):
     env = {**os.environ, 'SHAKESPEARE_PATH': os.environ.get('SHAKESPEARE_PATH') or os.path.join(
         os.path.dirname(ROOT), 'shared', 'data', 'tinyshakespeare', 'input.txt')}
-    r = subprocess.run([sys.executable, '-m', 'pytest', '-q', '-x', '-n', '2', '-p', 'no:cacheprovider', *tests],
-                       cwd=tree, capture_output=True, text=True, env=env)
+    pytest = [sys.executable, '-m', 'pytest', '-q', '-x', '-n', '2', '-p', 'no:cacheprovider']
+    r = subprocess.run([*pytest, *tests], cwd=tree, capture_output=True, text=True, env=env)
     return r.returncode != 0, (r.stdout.strip().splitlines() or [''])[-1]
 
 
@@ -111,7 +152,10 @@ def main():
     for name in FILES:
         with open(os.path.join(ROOT, name)) as f:
             sources[name] = f.read()
-    files = subprocess.run(['git', 'ls-files'], cwd=ROOT, capture_output=True, text=True, check=True).stdout.split()
+    # the working tree's files: tracked (but those deleted), and new ones git does not ignore
+    ls = ['git', 'ls-files', '--cached', '--others', '--exclude-standard']
+    files = subprocess.run(ls, cwd=ROOT, capture_output=True, text=True, check=True).stdout.split()
+    files = [path for path in files if os.path.isfile(os.path.join(ROOT, path))]
     caught = 0
     with tempfile.TemporaryDirectory() as tree:
         for path in files:
@@ -125,7 +169,8 @@ def main():
             if names and not any(a in name for a in names):
                 continue
             if sum(s.count(old) for s in sources.values()) != 1:
-                sys.exit(f"error: mutant {name!r}: its fragment does not occur exactly once in {' and '.join(FILES)}")
+                sys.exit(f"error: mutant {name!r}: its fragment does not occur exactly once in "
+                         f"{' and '.join(FILES)}")
             for path, source in sources.items():  # the mutated file, and the others restored
                 with open(os.path.join(tree, path), 'w') as f:
                     f.write(source.replace(old, new))

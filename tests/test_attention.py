@@ -5,6 +5,7 @@ import math
 import pytest
 import torch
 
+from conftest import is_linear, make_model
 from ops.softmax import attend, filled
 
 B, H, H_KV, D = 2, 4, 2, 8
@@ -15,7 +16,8 @@ def right_aligned(L, S):
     return torch.ones(L, S, dtype=torch.bool).tril(S - L)  # query i sees keys <= S - L + i
 
 
-def reference(q, k, v, mask_fn=right_aligned, scale=True, softmax_dim=-1, mask_after=False, weights=False):
+def reference(q, k, v, mask_fn=right_aligned, scale=True, softmax_dim=-1, mask_after=False,
+              weights=False):
     """Naive attention; the keyword arguments make the classic bugs."""
     k, v = (t.repeat_interleave(q.size(1) // k.size(1), dim=1) for t in (k, v))
     L, S = q.size(-2), k.size(-2)
@@ -67,7 +69,8 @@ def masked_exactly_where_right_aligned(fn, L, S):
 
 def scaled_by_sqrt_d(fn, L, S):
     q, k, _ = inputs(L, S)
-    s = (q @ k.repeat_interleave(H // H_KV, 1).transpose(-2, -1)).masked_fill(~right_aligned(L, S), float('-inf'))
+    s = q @ k.repeat_interleave(H // H_KV, 1).transpose(-2, -1)
+    s = s.masked_fill(~right_aligned(L, S), float('-inf'))
     return torch.allclose(weights_of(fn, q, k), torch.softmax(s / math.sqrt(D), -1), atol=1e-12)
 
 
@@ -88,14 +91,15 @@ CHECKS = {
 
 
 def static_attend(q, k, v, scale=None):
-    """attend as a static cache calls it: the L queries the last of S filled positions, FlexAttention's BlockMask."""
+    """attend as a static cache calls it: the L queries the last of S filled positions,
+    FlexAttention's BlockMask."""
     L, S = q.size(2), k.size(2)
     return attend(q, k, v, scale, mask=filled(torch.tensor(S - L), L, S))
 
 
 @pytest.mark.parametrize('L,S', SHAPES)
-@pytest.mark.parametrize('check', [rows_sum_to_one, masked_exactly_where_right_aligned, scaled_by_sqrt_d,
-                                   returns_a_times_v], ids=lambda f: f.__name__)
+@pytest.mark.parametrize('check', [rows_sum_to_one, masked_exactly_where_right_aligned,
+                                   scaled_by_sqrt_d, returns_a_times_v], ids=lambda f: f.__name__)
 @pytest.mark.parametrize('fn', [attend, static_attend], ids=['attend', 'static'])
 def test_attend_has_the_property(fn, check, L, S):
     assert check(fn, L, S)
@@ -119,35 +123,39 @@ def test_attend_equals_naive_reference(fn, L, S):
 
 @pytest.mark.parametrize('L', [1, 130])
 def test_static_cache_never_reads_the_blocks_past_its_last_query(L):
-    """Compiled, a static cache's attention reads only its filled part: with NaN in every block of keys and values
-    past the one holding the last query's position, the output is still the attention over the filled keys."""
-    pos, S = 140, 600  # the last query at 140 + L - 1: block 1 (or 2); blocks 3 and 4 must stay unread
+    """Compiled, a static cache's attention reads only its filled part: with NaN in every block of
+    keys and values past the one holding the last query's position, the output is still the
+    attention over the filled keys."""
+    # the last query at 140 + L - 1: block 1 (or 2); blocks 3 and 4 must stay unread
+    pos, S = 140, 600
     q, k, v = (x.float() for x in inputs(L, S, seed=3))  # (compiled flex on a CPU: float32 at most)
     first_unread = (pos + L - 1) // 128 * 128 + 128
     k[:, :, first_unread:], v[:, :, first_unread:] = float('nan'), float('nan')
-    out = torch.compile(attend, fullgraph=True)(q, k, v, mask=filled(torch.tensor(pos), L, S))  # (eager: dense)
+    # (eager: dense)
+    out = torch.compile(attend, fullgraph=True)(q, k, v, mask=filled(torch.tensor(pos), L, S))
     filled_keys = pos + L
-    torch.testing.assert_close(out, reference(q, k[:, :, :filled_keys], v[:, :, :filled_keys]), atol=1e-5, rtol=0)
+    want = reference(q, k[:, :, :filled_keys], v[:, :, :filled_keys])
+    torch.testing.assert_close(out, want, atol=1e-5, rtol=0)
 
 
 @pytest.mark.parametrize('L,S', SHAPES)
 def test_attend_whatever_strides_sdpa_returns_and_takes(L, S, monkeypatch):
-    """CUDA's efficient-attention kernel returns non-contiguous outputs (a grouped decode once crashed in
-    .view there), and the cache hands attend strided slices. Same values, any strides: same answer."""
+    """CUDA's efficient-attention kernel returns non-contiguous outputs (a grouped decode once
+    crashed in .view there), and the cache hands attend strided slices. Same values, any strides:
+    same answer."""
     sdpa = torch.nn.functional.scaled_dot_product_attention
-    monkeypatch.setattr(torch.nn.functional, 'scaled_dot_product_attention',
-                        lambda *a, **kw: sdpa(*a, **kw).transpose(1, 2).contiguous().transpose(1, 2))
+    strided = lambda *a, **kw: sdpa(*a, **kw).transpose(1, 2).contiguous().transpose(1, 2)
+    monkeypatch.setattr(torch.nn.functional, 'scaled_dot_product_attention', strided)
     q, k, v = inputs(L, S, seed=2)
-    q_strided = q.transpose(1, 2).contiguous().transpose(1, 2)               # (B, H, L, D) laid out (B, L, H, D)
-    k_strided = torch.cat([k, k], dim=-2)[:, :, :S]                          # a slice of a longer buffer
+    q_strided = q.transpose(1, 2).contiguous().transpose(1, 2)  # (B, H, L, D) laid out (B, L, H, D)
+    k_strided = torch.cat([k, k], dim=-2)[:, :, :S]             # a slice of a longer buffer
     out = attend(q_strided, k_strided, v)
     torch.testing.assert_close(out, reference(q, k, v), atol=1e-12, rtol=0)
 
 
 def test_decode_never_runs_cudnn(attn, monkeypatch):
-    """A decode step has a new key length each time: cuDNN attention would build a plan per length (10x
-    slower than no cache on an H200). Every SDPA call with L != S runs with cuDNN disabled."""
-    from conftest import is_linear, make_model
+    """A decode step has a new key length each time: cuDNN attention would build a plan per length
+    (10x slower than no cache on an H200). Every SDPA call with L != S runs with cuDNN disabled."""
     sdpa, seen = torch.nn.functional.scaled_dot_product_attention, []
 
     def spy(q, k, *a, **kw):
@@ -157,4 +165,5 @@ def test_decode_never_runs_cudnn(attn, monkeypatch):
     make_model(attn, dtype=torch.float32).generate(torch.randint(0, 40, (2, 4)), 10, temperature=0)
     decode = [cudnn for L, S, cudnn in seen if L != S]
     assert is_linear(attn) or (len(decode) >= 9 and not any(decode))
-    assert not seen or any(cudnn for L, S, cudnn in seen if L == S)  # training / prefill keep every backend
+    # training / prefill keep every backend
+    assert not seen or any(cudnn for L, S, cudnn in seen if L == S)

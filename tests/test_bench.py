@@ -1,15 +1,22 @@
 """bench.py runs on tiny configs and writes its tables and plots (no timing is asserted)."""
+import fcntl
 import json
 import os
 import re
+import shutil
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
 
-import bench as bench_module
-from conftest import ROOT
+from bench import main as bench_main
+from benchmarks import decode, mqar, train
+from benchmarks.common import LAYOUTS, MORE, readme_section
+from benchmarks.timing import take_turns
+from conftest import ROOT, digest, one_line, run
 from model import GPT, GPTConfig
 
 
@@ -20,13 +27,13 @@ def bench(*args):
     out = next((a.split('=', 1)[1] for a in args if a.startswith('--out=')), 'out-bench')  # every plot: a file in --out,
     links = re.findall(r"!\[[^]]*\]\(([^)]+)\)", r.stdout)  # linked relative to the report (it sits in --out too)
     assert all(os.path.isfile(os.path.join(out, link)) and '/' not in link for link in links), r.stdout
-    assert bench_module.MORE not in r.stdout  # the README's marker is for the file, not the terminal
+    assert MORE not in r.stdout  # the README's marker is for the file, not the terminal
     return r.stdout
 
 
 def saved(path):
     """The report bench.py wrote, as it prints it (without the README's marker)."""
-    return path.read_text().replace(bench_module.MORE, '\n')
+    return path.read_text().replace(MORE, '\n')
 
 
 NAMES = ['mha', 'gqa', 'mqa', 'mla', 'linear', 'gated_deltanet', 'hybrid']
@@ -41,7 +48,7 @@ def test_decode_report_on_a_tiny_model(tmp_path):
                       r"(bytes|FLOPs) \| ([\d.e+-]+) \| \*\*([\d.e+-]+)%\*\* \|", out)
     assert [r[0] for r in roof] == NAMES
     for attn, mb, gflop, bytes_ms, flop_ms, binds, ms, pct in roof:  # bytes read = every weight + the filled cache
-        cfg = GPTConfig(attn=bench_module.LAYOUTS[attn], n_layer=4, n_head=4, n_embd=16, block_size=41, kv_lora_rank=16,
+        cfg = GPTConfig(attn=LAYOUTS[attn], n_layer=4, n_head=4, n_embd=16, block_size=41, kv_lora_rank=16,
                         rope_head_dim=2)
         weights = sum(p.numel() for p in GPT(cfg).parameters()) * 4  # MLA at d_c = 4 head_dim, d_R = head_dim / 2
         assert float(mb) == pytest.approx((weights + 3 * cfg.cache_bytes(41)) / 1e6, rel=5e-3)  # t + 1 keys
@@ -53,14 +60,14 @@ def test_decode_report_on_a_tiny_model(tmp_path):
     assert [c[0] for c in costs] == NAMES
     gen = re.findall(r"\| (\w+) \| (1|8) \| [\d.,]+ \| [\d.,]+ \| [\d.]+x \| yes \|", out)
     assert len(gen) == 2 * len(NAMES)  # identical greedy tokens with and without the cache, batch 1 and 8
-    headline = bench_module.readme_section('decode', (tmp_path / 'decode.md').read_text(), str(tmp_path))
+    headline = readme_section('decode', (tmp_path / 'decode.md').read_text(), str(tmp_path))
     assert '**Roofline' in headline and 'Decode cost vs context' not in headline and f'{tmp_path}/decode.md' in headline
 
 
 def test_take_turns_shuffles_the_order():
     """Every measurement takes turns: each fn once a round, in an order that changes (so neighbours change too)."""
     calls = []
-    times = __import__('benchmarks.timing', fromlist=['take_turns']).take_turns({k: lambda k=k: calls.append(k) for k in 'abcdef'}, 'cpu', rounds=5)
+    times = take_turns({k: lambda k=k: calls.append(k) for k in 'abcdef'}, 'cpu', rounds=5)
     rounds = [''.join(calls[i:i + 6]) for i in range(0, 30, 6)]
     assert all(sorted(r) == list('abcdef') for r in rounds) and len(set(rounds)) == 5
     assert len({r[r.index('a') - 1] for r in rounds if r[0] != 'a'}) > 1  # what runs just before 'a' changes
@@ -70,8 +77,8 @@ def test_take_turns_shuffles_the_order():
 def test_roofline_times_a_compiled_step():
     """The compiled column is a real torch.compile(fullgraph=True) of the step over a static cache (a graph break
     would raise)."""
-    runs, bandwidth, rate = bench_module.roofline(['mqa'], dict(n_layer=1, n_head=4, n_embd=16), 2, [16], 'cpu',
-                                                  torch.float32, compile=True, rounds=2)
+    runs, bandwidth, rate = decode.roofline(['mqa'], dict(n_layer=1, n_head=4, n_embd=16), 2, [16], 'cpu',
+                                            torch.float32, compile=True, rounds=2)
     assert set(runs['mqa', 16]['ms']) == {'eager', 'compiled'}
     assert all(v > 0 for v in runs['mqa', 16]['ms'].values())
     assert bandwidth > 1e8 and rate > 1e8
@@ -79,8 +86,8 @@ def test_roofline_times_a_compiled_step():
 
 def test_a_long_prefill_says_where_it_is(capsys):
     """Prefilling a long context (hours at 2^20 tokens on a CPU) prints a progress line every 64 chunks."""
-    bench_module.roofline(['linear'], dict(n_layer=1, n_head=2, n_embd=8), 1, [130], 'cpu', torch.float32, rounds=1,
-                          chunk=1)
+    decode.roofline(['linear'], dict(n_layer=1, n_head=2, n_embd=8), 1, [130], 'cpu', torch.float32, rounds=1,
+                    chunk=1)
     said = [line.split('] ', 1)[1] for line in capsys.readouterr().err.splitlines()]
     assert said == ['decode steps at batch 1: linear', 'linear, eager: prefilled 64 of 130 tokens',
                     'linear, eager: prefilled 128 of 130 tokens']
@@ -88,8 +95,8 @@ def test_a_long_prefill_says_where_it_is(capsys):
 
 @pytest.mark.slow
 def test_generation_compiled_over_a_static_cache_gives_the_same_tokens():
-    table = bench_module.generation(['gqa', 'linear'], dict(n_layer=1, n_head=4, n_embd=16), 'cpu', torch.float32,
-                                    compile=True, new=40, batches=(1, 2))
+    table = decode.generation(['gqa', 'linear'], dict(n_layer=1, n_head=4, n_embd=16), 'cpu', torch.float32,
+                              compile=True, new=40, batches=(1, 2))
     assert 'tokens/s, cache, compiled' in table
     assert 'identical tokens, cache | identical tokens, cache, compiled' in table  # each way against no cache
     assert len(re.findall(r"\| (gqa|linear) \| (1|2) \| [\d.,]+ \| [\d.,]+ \| [\d.,]+ \| [\d.]+x \| yes \| yes \|",
@@ -178,17 +185,17 @@ def test_bad_arguments_are_one_line(tmp_path, capsys, monkeypatch):
                       (['decode', '--n_head=5'], "GPTConfig.n_embd=384 is invalid: must be divisible by n_head=5"),
                       (['flash'], "argument mode: invalid choice: 'flash'"),
                       (['decode', '--gen_tokens=241'], "--gen_tokens: '241': give 1 to 240"),
-                      (['cache', 'foo'], "extra arguments ['foo'] not for cache"),
-                      (['train', '--n_layer=1'], "--n_layer not for train (train.py's keys go after --"),
-                      (['decode', '--', '--n_layer=1'], "extra arguments ['--n_layer=1'] not for decode"),
+                      (['cache', 'foo'], "unrecognized arguments: foo"),
+                      (['train', '--n_layer=1'], "unrecognized arguments: --n_layer=1 (train.py's keys go after --"),
+                      (['decode', '--', '--n_layer=1'], "unrecognized arguments: -- --n_layer=1"),
                       (['decode', '--n_layer=2'], "more than n_layer=2 (that is config/hybrid.py's 'hybrid': leave it "
                                                   "out with --layouts)"),
-                      (['convert', '--nanogpt=bench.py'], "--nanogpt not for convert"),
-                      (['convert', '--layouts=mha'], "--layouts not for convert"),
+                      (['convert', '--nanogpt=bench.py'], "unrecognized arguments: --nanogpt=bench.py"),
+                      (['convert', '--layouts=mha'], "unrecognized arguments: --layouts=mha"),
                       (['train', '--', '--out_dir=x'], "--out_dir=x: bench.py sets that itself"),
                       (['train', '--', '--attn=linear'], "--attn=linear: bench.py sets that itself"),
                       (['convert', '--', '--learning_rate=1'], "--learning_rate=1: bench.py sets that itself"),
-                      (['convert', '--device=cuda'], "--device not for convert"), ([], "the following arguments are required: mode"),
+                      (['convert', '--device=cuda'], "unrecognized arguments: --device=cuda"), ([], "the following arguments are required: mode"),
                       (['decode', '--batch=0'], "--batch: '0': give an integer >= 1"),
                       (['decode', '--t=1048576'], "--t=1048576, --batch=16, --contexts, the sizes: weights and caches need"),
                       (['decode', '--layouts=linear', '--t=100000000'], "--t: '100000000': give an integer from 1 to 1,048,576"),
@@ -207,26 +214,26 @@ def test_bad_arguments_are_one_line(tmp_path, capsys, monkeypatch):
                       (['decode', '--n_layer=1000000000'], "weights and caches need at least"),  # counted at once
                       (['cache', '--readme', f'--out={tmp_path}'], "with --readme: the README links to results/")):
         with pytest.raises(SystemExit) as e:  # in process: main() checks every argument before any work
-            bench_module.main(args)
+            bench_main(args)
         err = capsys.readouterr().err
         assert e.value.code == 2 and msg in err and len(err.strip().splitlines()) == 1, err
     (tmp_path / 't' / 'train' / 'mha').mkdir(parents=True)
     (tmp_path / 't' / 'train' / 'mha' / 'ckpt.pt').write_text('an earlier run')
     (tmp_path / 't' / 'train' / 'mha' / 'metrics.jsonl').write_text('{"iter": 0}\n')  # bench.py wrote it
     with pytest.raises(SystemExit) as e:  # a model the extras break: one line before any run, exit 2
-        bench_module.main(['train', '--layouts=mha', f'--out={tmp_path / "t"}', '--', '--n_layer=0'])
+        bench_main(['train', '--layouts=mha', f'--out={tmp_path / "t"}', '--', '--n_layer=0'])
     err = capsys.readouterr().err.strip().splitlines()
     assert e.value.code == 2 and re.fullmatch(r"error: layout mha with --n_layer=0: GPTConfig.n_layer=0 is invalid.*", err[-1])
     assert (tmp_path / 't' / 'train' / 'mha' / 'ckpt.pt').read_text() == 'an earlier run'  # not lost to the failed run
     if os.path.isdir('/proc/self'):  # a folder no one can write in, root included (os.access says yes to root)
         with pytest.raises(SystemExit) as e:
-            bench_module.main(['cache', '--out=/proc/self'])
+            bench_main(['cache', '--out=/proc/self'])
         assert e.value.code == 2 and "--out '/proc/self'" in capsys.readouterr().err
     monkeypatch.chdir(tmp_path)  # no README.md to rewrite here, nor train.py to run: refused before any work
     for args, msg in ((['cache', '--readme'], "no README.md here with a '<!-- cache-table -->'"),
                       (['convert'], "convert runs train.py and config/ from here: run bench.py in its own folder")):
         with pytest.raises(SystemExit) as e:
-            bench_module.main(args)
+            bench_main(args)
         assert e.value.code == 2 and msg in capsys.readouterr().err
     assert (tmp_path / 'a-file').read_text() == 'results go in a folder'
     assert not (tmp_path / 'new').exists() and not (tmp_path / 'results').exists()
@@ -235,17 +242,17 @@ def test_bad_arguments_are_one_line(tmp_path, capsys, monkeypatch):
 def test_a_failed_run_leaves_the_saved_plots_alone(tmp_path, monkeypatch):
     """Plots are saved with the report, once it is all done: a run that fails after drawing them changes nothing."""
     (tmp_path / 'roofline.png').write_bytes(b'saved')
-    monkeypatch.setattr(bench_module, 'generation', lambda *a, **k: 1 / 0)  # fails after the roofline is drawn
+    monkeypatch.setattr(decode, 'generation', lambda *a, **k: 1 / 0)  # fails after the roofline is drawn
     with pytest.raises(ZeroDivisionError):
-        bench_module.main(['decode', '--n_layer=1', '--n_head=4', '--n_embd=16', '--contexts=8', '--batch=2', '--t=8',
-                           f'--out={tmp_path}', '--layouts=mha,linear'])
+        bench_main(['decode', '--n_layer=1', '--n_head=4', '--n_embd=16', '--contexts=8', '--batch=2', '--t=8',
+                    f'--out={tmp_path}', '--layouts=mha,linear'])
     assert os.listdir(tmp_path) == ['roofline.png'] and (tmp_path / 'roofline.png').read_bytes() == b'saved'
 
 
 def test_results_only_with_readme(tmp_path, monkeypatch):
     """A plain run writes to out-bench/ (never the committed results/ the README is checked against)."""
     monkeypatch.chdir(tmp_path)
-    bench_module.main(['cache', '--layouts=mqa'])
+    bench_main(['cache', '--layouts=mqa'])
     assert os.listdir(tmp_path) == ['out-bench'] and os.listdir(tmp_path / 'out-bench') == ['cache.md']
 
 
@@ -266,7 +273,7 @@ def test_no_profiler_lines_on_stderr():
 def test_step_time_vs_nanogpt_times_the_given_model_file():
     """--nanogpt loads GPT and GPTConfig from the file it is given (here our own model.py stands in for nanoGPT's)
     and times its training step in turns with ours."""
-    text = bench_module.step_time_vs_nanogpt(os.path.join(ROOT, 'model.py'), ['mha', 'deltanet'], rounds=3, steps=2)
+    text = train.step_time_vs_nanogpt(os.path.join(ROOT, 'model.py'), ['mha', 'deltanet'], rounds=3, steps=2)
     rows = re.findall(r"^\| (.+) \| ([\d.]+) \| ([\d.]+) \| ([\d.]+) \|$", text, re.M)
     assert [r[0] for r in rows] == ['nanoGPT', "ours, mha, pos_emb='learned'", 'ours, mha, RoPE (default)', 'ours, deltanet']
     assert all(float(ms) > 0 and float(a) > 0 and float(b) > 0 for _, ms, a, b in rows)
@@ -283,15 +290,15 @@ def test_generation_agreement_tells_a_near_tie_from_a_difference():
     torch.manual_seed(0)
     model = GPT(GPTConfig(n_layer=1, n_head=2, n_embd=16, vocab_size=8, block_size=16)).eval()
     idx, ref = torch.randint(0, 8, (2, 3)), torch.randint(0, 8, (2, 5))
-    assert bench_module.agree(model, idx, ref, ref.clone()) == 'yes'
+    assert decode.agree(model, idx, ref, ref.clone()) == 'yes'
     top = model(torch.cat([idx[1:], ref[1:, :2]], 1))[0][0, -1].topk(8).indices
     ref[1, 2] = top[0]  # greedy there
     other = ref.clone()
     other[1, 2] = top[1]  # the runner-up where row 1 parts at token 2
-    assert bench_module.agree(model, idx, ref, other, tol=1e9).startswith('a near-tie at token 2')
-    assert bench_module.agree(model, idx, ref, other, tol=0) == 'NO'  # not within tolerance
+    assert decode.agree(model, idx, ref, other, tol=1e9).startswith('a near-tie at token 2')
+    assert decode.agree(model, idx, ref, other, tol=0) == 'NO'  # not within tolerance
     other[1, 2] = top[-1]  # the least likely token: never a tie
-    assert bench_module.agree(model, idx, ref, other, tol=1e9) == 'NO'
+    assert decode.agree(model, idx, ref, other, tol=1e9) == 'NO'
 
 
 def test_mqar_report_on_a_tiny_run(tmp_path):
@@ -317,7 +324,7 @@ def test_mqar_report_on_a_tiny_run(tmp_path):
     assert '--lrs=0.001,0.003' in out and '--vocab=16 --sets=12:2,16:4' in out and 'L=16,N=4' in out
     default = bench('mqar', '--layouts=mha,deltanet', '--max_iters=3', *tiny, f'--out={tmp_path / "default"}')
     best = re.findall(r"^\| (mha|deltanet) \| (0.00\d+) \| [\d,]+ \| ([\d.]+)% \| ([\d.]+)% \|", default, re.M)
-    assert [b[:2] for b in best] == [(name, f"{bench_module.MQAR_LR.get(name, 1e-3):g}") for name in ('mha', 'deltanet')]
+    assert [b[:2] for b in best] == [(name, f"{mqar.MQAR_LR.get(name, 1e-3):g}") for name in ('mha', 'deltanet')]
     for name, lr, *recall in best:  # the same runs as the sweep's at that lr: the same recall
         if lr in ('0.001', '0.003'):
             swept = re.search(rf"^\| {name} \| ([\d.]+)% .* \| ([\d.]+)% .* \|$", out, re.M).groups()[lr == '0.003']
@@ -330,13 +337,13 @@ def test_mqar_run_stops_at_99_percent_and_records_its_crossings(tmp_path):
     and says when it crossed 50/90/99%; a run that cannot learn (lr 1e-9) stops at max_iters with no crossing."""
     from data.mqar.prepare import prepare
     path = prepare(str(tmp_path), vocab=16, sets=((12, 2), (16, 4)), train=2000, val=100)
-    r = bench_module.mqar_run(path, 'mha', 1e-2, 0, 600, 32, 'cpu', 'tiny', eval_every=25)
+    r = mqar.mqar_run(path, 'mha', 1e-2, 0, 600, 32, 'cpu', 'tiny', eval_every=25)
     assert r['steps'] < 600 and r['curve'][-1] == (r['steps'], pytest.approx(sum(r['recall'].values()) / 2))
     assert min(r['recall'].values()) > 0.95 and r['crossed'][0.99] == r['steps']  # stopped where it crossed 99%
     assert all(m < 0.99 for _, m in r['curve'][:-1]) and list(r['recall']) == [(12, 2), (16, 4)]
     first = lambda p: next(it for it, m in r['curve'] if m >= p)
     assert [r['crossed'][p] for p in (0.5, 0.9)] == [first(0.5), first(0.9)]
-    stuck = bench_module.mqar_run(path, 'mha', 1e-9, 0, 60, 32, 'cpu', 'stuck', eval_every=25)
+    stuck = mqar.mqar_run(path, 'mha', 1e-9, 0, 60, 32, 'cpu', 'stuck', eval_every=25)
     assert stuck['steps'] == 60 and [it for it, _ in stuck['curve']] == [25, 50, 60]
     assert stuck['crossed'] == {0.5: None, 0.9: None, 0.99: None} and max(stuck['recall'].values()) < 0.2
 
@@ -352,22 +359,22 @@ def test_mqar_recall_counts_the_answers_only_and_the_pair_embedding_adds_key_and
             right = torch.where(torch.isin(torch.arange(10), torch.tensor([3, 6])), targets.clamp(min=0), 0)
             return torch.nn.functional.one_hot(right, 16).float(), None
     sets = {(10, 4): (None, None, torch.zeros(4, 10, dtype=torch.long), y)}
-    assert bench_module.mqar_recall(HalfRight(), sets) == {(10, 4): 0.5}
-    model = bench_module.mqar_model('gqa', 16, 10)
+    assert mqar.mqar_recall(HalfRight(), sets) == {(10, 4): 0.5}
+    model = mqar.mqar_model('gqa', 16, 10)
     w = model.lm_head.weight
     assert model.transformer.wte(torch.tensor([3 * 16 + 12])).squeeze().equal(w[3] + w[12])
     assert model.transformer.wte.wte.weight is w  # still tied to the output layer
-    taps = lambda name, *conv: [b.attn.conv.size(0) for b in bench_module.mqar_model(name, 16, 10, *conv)
+    taps = lambda name, *conv: [b.attn.conv.size(0) for b in mqar.mqar_model(name, 16, 10, *conv)
                                 .transformer.h if hasattr(b.attn, 'conv')]  # (taps, channels) a linear layer
     assert taps('deltanet') == [1, 1] and taps('deltanet', 4) == [4, 4] and taps('hybrid', 4) == [4]
-    assert taps('mha', 4) == [] and bench_module.mqar_model('hybrid', 16, 10).config.pos_emb == 'learned'  # for all
+    assert taps('mha', 4) == [] and mqar.mqar_model('hybrid', 16, 10).config.pos_emb == 'learned'  # for all
 
 
 def test_capacity_of_an_untrained_state():
     """Few pairs in a wide state are all recalled; past d_k, pure accumulation blurs (the chapter's claim)."""
-    rules, recall = bench_module.capacity(64, [4])
+    rules, recall = mqar.capacity(64, [4])
     assert all(recall[r, 4] > 0.99 for r in rules)
-    rules, recall = bench_module.capacity(16, [64])
+    rules, recall = mqar.capacity(16, [64])
     assert recall['accumulate (linear)', 64] < 0.6
 
 
@@ -397,3 +404,137 @@ def test_bench_gpu_report_writes_each_section(tmp_path):
     assert '--device=cpu --dtype=float32 --batch=1 --t=8 --n_layer=1 --n_head=2 --n_embd=16 --gen_tokens=2' in report
     assert "Not measured: fla is not installed here" in report
     assert os.path.isfile(tmp_path / 'roofline.png')
+
+
+# ---- bench.py never loses a file it did not write, and stops cleanly ----
+
+def test_bench_readme_is_rewritten_whole_or_not_at_all(tmp_path):
+    """bench.py --readme under a file-size limit below README.md's size: one line, README.md
+    unchanged."""
+    shutil.copy(os.path.join(ROOT, 'README.md'), tmp_path)
+    before = digest(tmp_path / 'README.md')
+    r = run(os.path.join(ROOT, 'bench.py'), 'cache', '--readme', '--layouts=mha', cwd=tmp_path,
+            limit=os.path.getsize(tmp_path / 'README.md') // 2)
+    assert "cannot write README.md: " in one_line(r)
+    assert digest(tmp_path / 'README.md') == before
+    assert not [p for p in os.listdir(tmp_path) if '.tmp' in p]
+
+
+def test_bench_never_replaces_a_folder_it_did_not_write_or_a_live_run(tmp_path):
+    """bench.py train replaces OUT/train/LAYOUT with a new run: not when that folder holds someone
+    else's files, nor while a live train.py writes it (the live run then overwrote bench's ckpt.pt
+    and mixed its iterations into metrics.jsonl): the lock is checked and taken first."""
+    (tmp_path / 'train' / 'mha').mkdir(parents=True)
+    (tmp_path / 'train' / 'mha' / 'thesis.tex').write_text('precious')
+    r = run('bench.py', 'train', '--layouts=mha', '--max_iters=1', f'--out={tmp_path}')
+    assert "holds files bench.py did not write" in one_line(r)
+    assert (tmp_path / 'train' / 'mha' / 'thesis.tex').read_text() == 'precious'
+    for folder in ('mha', 'mha.new'):
+        run_dir = tmp_path / folder / 'train' / folder
+        run_dir.mkdir(parents=True)
+        (run_dir / 'metrics.jsonl').write_text('{"iter": 0}\n')
+        with open(run_dir / 'train.lock', 'a') as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)  # as a live train.py holds it
+            r = run('bench.py', 'train', '--layouts=mha', '--max_iters=1',
+                    f'--out={tmp_path / folder}')
+            assert f"{run_dir} is in use by a live train.py run" in one_line(r)
+        assert (run_dir / 'metrics.jsonl').read_text() == '{"iter": 0}\n'
+
+
+def test_bench_keeps_its_earlier_run_when_train_py_ran_none(tmp_path):
+    """`bench.py train -- --help`: train.py exits 0 without a run; bench.py deleted its earlier run,
+    then crashed. And decode in float16 on a CPU (fp16 matmuls ~500x slower, an 18-minute floor) is
+    refused at once."""
+    earlier = tmp_path / 'train' / 'mha'
+    earlier.mkdir(parents=True)
+    # a folder bench.py wrote
+    (earlier / 'metrics.jsonl').write_text(json.dumps({'iter': 0}) + '\n')
+    r = run('bench.py', 'train', '--layouts=mha', '--max_iters=1', f'--out={tmp_path}', '--',
+            '--help')
+    assert r.returncode == 2 and 'Traceback' not in r.stderr
+    # (bench.py's progress lines go to stderr too)
+    assert "ended without a run" in r.stderr.splitlines()[-1]
+    assert (earlier / 'metrics.jsonl').read_text() == '{"iter": 0}\n'
+    # (gpu on a CPU in float16 ran its roofline's fp16 products for minutes)
+    for mode in ('decode', 'gpu'):
+        r = run('bench.py', mode, '--layouts=mha', '--dtype=float16', '--device=cpu',
+                f'--out={tmp_path}')
+        assert "--dtype=float16 on CPU" in one_line(r)
+
+
+def test_bench_builds_every_layout_before_the_first_run(tmp_path):
+    """bench.py builds every layout's model with the extras before the first run (a hybrid that
+    does not fit --n_layer failed after the other layouts had trained)."""
+    r = run('bench.py', 'train', '--max_iters=2', '--layouts=gated_deltanet,hybrid',
+            f'--out={tmp_path / "bench"}', '--', '--n_layer=2')
+    said = "layout hybrid with --n_layer=2: GPTConfig.attn='gated_deltanet*3+gqa' is invalid: " \
+           "has 4 layers"
+    assert said in one_line(r)
+    assert not (tmp_path / 'bench' / 'train').exists()  # no run started
+
+
+def test_bench_mqar_data_on_a_full_disk_is_one_line(tmp_path):
+    """Its data set past the file-size limit: one line after its progress line, no data left."""
+    r = run('bench.py', 'mqar', '--layouts=mha', '--seeds=1', '--vocab=16', '--sets=12:2,16:4',
+            '--max_iters=5', f'--out={tmp_path}', limit=2 ** 16)
+    assert r.returncode == 2 and 'Traceback' not in r.stderr, r.stderr
+    said = f"error: cannot write the MQAR data in {tmp_path}: File too large"
+    assert r.stderr.splitlines()[-1] == said
+    assert not [f for f in os.listdir(tmp_path) if f.startswith('.mqar-data-')]
+
+
+def children(pid):
+    """The live (not zombie) processes whose parent is pid."""
+    found = []
+    for p in filter(str.isdigit, os.listdir('/proc')):
+        try:
+            stat = open(f'/proc/{p}/stat').read().rsplit(')', 1)[1].split()
+        except OSError:
+            continue
+        if int(stat[1]) == pid and stat[0] != 'Z':
+            found.append(int(p))
+    return found
+
+
+def alive(pid):
+    try:
+        return open(f'/proc/{pid}/stat').read().rsplit(')', 1)[1].split()[0] != 'Z'
+    except OSError:
+        return False
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize('wait', [0, 3])
+@pytest.mark.parametrize('sig', ['SIGINT', 'SIGTERM'])
+def test_bench_mqar_stopped_ends_its_workers_and_deletes_its_data(tmp_path, sig, wait):
+    """Ctrl-C left .mqar-data-XXXX/ in --out; SIGTERM died silently, left it, and orphaned the
+    training workers (still running 40 s later); Ctrl-C while the workers imported torch printed
+    their tracebacks. Now: one line, the folder gone, no worker left."""
+    p = subprocess.Popen([sys.executable, 'bench.py', 'mqar', '--layouts=mha,linear', '--seeds=1',
+                          '--vocab=16', '--sets=12:2,16:4', '--max_iters=100000',
+                          f'--out={tmp_path}'],
+                         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         start_new_session=True)
+    deadline = time.time() + 120
+    data = lambda: [f.name for f in tmp_path.iterdir() if f.name.startswith('.mqar-data-')]
+    workers = lambda: [c for c in children(p.pid)
+                       if b'spawn_main' in open(f'/proc/{c}/cmdline', 'rb').read()]
+    # (the workers start first, then the data is written)
+    while len(workers()) < 2 or not data():
+        ended = p.poll() is not None
+        assert time.time() < deadline and not ended, p.stderr.read() if ended else 'slow'
+        time.sleep(0.05)
+    started = workers()
+    time.sleep(wait)  # the workers importing torch, or training
+    if sig == 'SIGINT':
+        os.killpg(p.pid, signal.SIGINT)  # (a terminal's: to all)
+    else:
+        p.send_signal(signal.SIGTERM)
+    _, err = p.communicate(timeout=60)
+    assert p.returncode == (130 if sig == 'SIGINT' else 128 + signal.SIGTERM), err
+    said = 'error: interrupted' if sig == 'SIGINT' else 'error: stopped by SIGTERM'
+    assert err.splitlines()[-1] == said, err
+    assert 'Traceback' not in err and 'KeyboardInterrupt' not in err and 'leaked' not in err, err
+    assert not data()
+    time.sleep(1)
+    assert not [w for w in started if alive(w)]

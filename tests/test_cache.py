@@ -44,9 +44,11 @@ def test_eager_cache_attends_to_t_keys_static_to_capacity(attn, monkeypatch):
     """The default cache's cost grows with t (attention sees the t filled keys); a static cache always
     attends over block_size keys under a mask, so every step has the same shapes."""
     import model as model_module
+    from ops import mla
     seen = []
     attend = model_module.attend
-    monkeypatch.setattr(model_module, 'attend', lambda q, k, *a, **kw: seen.append(k.size(2)) or attend(q, k, *a, **kw))
+    for module in (model_module, mla):  # MHA's, GQA's, MQA's; MLA's
+        monkeypatch.setattr(module, 'attend', lambda q, k, *a, **kw: seen.append(k.size(2)) or attend(q, k, *a, **kw))
     model = make_model(attn)
     idx = torch.randint(0, 40, (1, 8))
     for static in (False, True):
@@ -103,9 +105,10 @@ def test_batch_rows_are_independent(attn):
 def test_cache_buffers_are_preallocated_not_resized(attn):
     model = make_model(attn)
     cache = model.init_cache(2)
-    bufs = lambda: [t for layer in cache.layers for t in layer.bufs]
+    bufs = lambda: [t for layer in cache.layers for t in layer.buffers.values()]
     ptrs, shapes = [t.data_ptr() for t in bufs()], [t.shape for t in bufs()]
     for _ in range(5):
         model(torch.randint(0, 40, (2, 3)), cache=cache)
     assert [t.data_ptr() for t in bufs()] == ptrs and [t.shape for t in bufs()] == shapes  # a state too: in place
-    assert all(t.size(2) == model.config.block_size for layer in cache.layers if layer.grows for t in layer.bufs)
+    assert all(t.size(2) == model.config.block_size
+               for layer in cache.layers if layer.grows for t in layer.buffers.values())

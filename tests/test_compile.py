@@ -1,20 +1,18 @@
-"""torch.compile of the training step, fullgraph=True (one graph, or an error: no silent eager pieces), for every
-layout and a hybrid of each softmax kind: the same loss and gradients as eager. train.py compiles by default on
-CUDA, not on a CPU unless asked, and says so. Slow: each layout compiles for 10-40 s on 2 cores."""
-import subprocess
-import sys
-
+"""torch.compile of the training step, fullgraph=True (one graph, or an error: no silent eager
+pieces), for every layout and a hybrid of each softmax kind: the same loss and gradients as eager.
+train.py compiles by default on CUDA, not on a CPU unless asked, and says so. Slow: each layout
+compiles for 10-40 s on 2 cores."""
 import pytest
 import torch
 
-from conftest import EVERY, ROOT, make_model
-from test_train import TINY
+from conftest import EVERY, TINY_TRAIN, make_model, run
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize('attn', [*EVERY, 'gated_deltanet*3+gqa'])
 def test_compiled_training_step_equals_eager(attn):
-    model = make_model(attn, dtype=torch.float32, n_layer=4 if '*3' in attn else 2, dropout=0.0).train()
+    n_layer = 4 if '*3' in attn else 2
+    model = make_model(attn, dtype=torch.float32, n_layer=n_layer, dropout=0.0).train()
     x, y = torch.randint(0, 40, (2, 3, 32), generator=torch.Generator().manual_seed(0))
 
     def step(net):
@@ -32,14 +30,14 @@ def test_compiled_training_step_equals_eager(attn):
 
 @pytest.mark.slow
 def test_train_py_compiles_when_asked_and_says_how_long(tmp_path, char_data):
-    """On a CPU the default is eager (compiling there takes minutes); --compile=True compiles the whole model as one
-    graph and logs that it compiles and how long the first iteration took."""
-    base = [sys.executable, 'train.py', *TINY[1:], '--device=cpu', '--dtype=float32', '--max_iters=2',
+    """On a CPU the default is eager (compiling there takes minutes); --compile=True compiles the
+    whole model as one graph and logs that it compiles and how long the first iteration took."""
+    base = ['train.py', *TINY_TRAIN[1:], '--device=cpu', '--dtype=float32', '--max_iters=2',
             f'--data_dir={char_data}']
-    eager = subprocess.run(base + [f'--out_dir={tmp_path / "eager"}'], cwd=ROOT, capture_output=True, text=True)
-    assert eager.returncode == 0 and 'compiling' not in eager.stdout and 'compiled:' not in eager.stdout, eager.stderr
-    compiled = subprocess.run(base + [f'--out_dir={tmp_path / "compiled"}', '--compile=True'], cwd=ROOT,
-                              capture_output=True, text=True, timeout=900)
+    eager = run(*base, f'--out_dir={tmp_path / "eager"}', timeout=None)
+    assert eager.returncode == 0, eager.stderr
+    assert 'compiling' not in eager.stdout and 'compiled:' not in eager.stdout
+    compiled = run(*base, f'--out_dir={tmp_path / "compiled"}', '--compile=True', timeout=900)
     assert compiled.returncode == 0, compiled.stderr[-2000:]
     assert 'compiling the model (torch.compile, fullgraph)' in compiled.stdout
     assert 'compiled: the first iteration took ' in compiled.stdout
@@ -48,8 +46,8 @@ def test_train_py_compiles_when_asked_and_says_how_long(tmp_path, char_data):
 @pytest.mark.slow
 @pytest.mark.parametrize('attn', ['mha', 'gqa', 'mqa', 'mla', 'gated_deltanet*3+gqa'])
 def test_compiled_static_cache_equals_the_full_forward(attn):
-    """The compiled decode path (a static cache, FlexAttention over its filled blocks): a prefill, then token by
-    token, gives the full forward's logits."""
+    """The compiled decode path (a static cache, FlexAttention over its filled blocks): a prefill,
+    then token by token, gives the full forward's logits."""
     model = make_model(attn, dtype=torch.float32, n_layer=4 if '*3' in attn else 2)
     idx = torch.randint(0, 40, (2, 20), generator=torch.Generator().manual_seed(1))
     torch._dynamo.reset()
@@ -57,5 +55,6 @@ def test_compiled_static_cache_equals_the_full_forward(attn):
     with torch.no_grad():
         full = model(idx, idx)[0]
         cache = model.init_cache(2, static=True)
-        steps = [step(idx[:, :8], cache=cache)[0]] + [step(idx[:, t:t + 1], cache=cache)[0] for t in range(8, 20)]
+        steps = [step(idx[:, :8], cache=cache)[0]]
+        steps += [step(idx[:, t:t + 1], cache=cache)[0] for t in range(8, 20)]
     assert (torch.cat(steps, 1) - full).abs().max() < 1e-4

@@ -4,35 +4,52 @@ import pytest
 from model import GPTConfig
 
 BAD = [
-    (dict(attn='flash'), r"attn.*one of \('mha', 'gqa', 'mqa', 'mla', 'linear', 'retnet', 'mamba2', 'deltanet', "
-                         r"'gated_deltanet'\), or a hybrid"),
+    (dict(attn='flash'), r"attn.*one of \('mha', 'gqa', 'mqa', 'mla', 'linear', 'retnet', "
+                         r"'mamba2', 'deltanet', 'gated_deltanet'\), or a hybrid"),
     (dict(attn='delta'), r"attn='delta' is invalid"),                       # an unknown rule
-    (dict(bias='yes'), r"GPTConfig.bias='yes' is invalid: must be of type bool"),  # a crafted checkpoint's model_args
+    # a crafted checkpoint's model_args
+    (dict(bias='yes'), r"GPTConfig.bias='yes' is invalid: must be of type bool"),
     (dict(match_mha_params=1), r"match_mha_params=1 is invalid: must be of type bool"),
-    (dict(attn='gated_deltanet*3+gqa', n_layer=3), r"attn.*has 4 layers, more than n_layer=3"),  # does not fit
-    (dict(attn='deltanet*0+gqa'), r"attn.*hybrid.*; not 'deltanet\*0'$"), (dict(attn='deltanet*x+gqa'), r"attn.*hybrid"),
+    # does not fit
+    (dict(attn='gated_deltanet*3+gqa', n_layer=3), r"attn.*has 4 layers, more than n_layer=3"),
+    (dict(attn='deltanet*0+gqa'), r"attn.*hybrid.*; not 'deltanet\*0'$"),
+    (dict(attn='deltanet*x+gqa'), r"attn.*hybrid"),
     (dict(attn='mamba2*2+foo+gqa'), r"hybrid.*; not 'foo'$"),  # the wrong part named
     (dict(attn='deltanet+'), r"attn.*hybrid"), (dict(attn=3), r"attn=3 is invalid"),
-    (dict(attn='mha*99999999999'), r"has 99999999999 layers"), (dict(attn='mha*\u00b2'), r"attn.*hybrid"),  # unbuilt
+    (dict(attn='mha*99999999999'), r"has 99999999999 layers"),  # unbuilt
+    (dict(attn='mha*\u00b2'), r"attn.*hybrid"),
     (dict(attn='mha*\uff13'), r"attn.*hybrid"),  # a full-width 3: ASCII digits only
-    (dict(attn='linear*0000009999999999'), r"has 9999999999 layers"),  # leading zeros do not hide a count
-    (dict(attn='gated_deltanet', conv_size=300), r"conv_size=300 is invalid: must be <= block_size=256"),  # never reads
+    # leading zeros do not hide a count
+    (dict(attn='linear*0000009999999999'), r"has 9999999999 layers"),
+    # never reads
+    (dict(attn='gated_deltanet', conv_size=300), r"conv_size=300 is invalid: must be <= "
+                                                 r"block_size=256"),
     (dict(attn='mha', conv_size=8), r"conv_size=8 is invalid: no layer of attn='mha' uses it"),
-    (dict(attn='linear*2+gqa', conv_size=2), r"conv_size=2 is invalid: no layer of attn='linear\*2\+gqa' uses it"),
-    (dict(attn='gated_deltanet', n_layer=2, n_head=4, n_embd=64, block_size=4000, conv_size=3000, match_mha_params=True),
+    (dict(attn='linear*2+gqa', conv_size=2), r"conv_size=2 is invalid: no layer of "
+                                             r"attn='linear\*2\+gqa' uses it"),
+    (dict(attn='gated_deltanet', n_layer=2, n_head=4, n_embd=64, block_size=4000, conv_size=3000,
+          match_mha_params=True),
      r"match_mha_params.*MLP would need -\d+ units: .*\(lower its sizes, or turn it off\)"),
     (dict(attn='deltanet+gqa+mla'), r"mixes softmax layouts"),
-    (dict(attn='mamba2+gqa', n_kv_head=4), r"n_kv_head.*n_head=6 allows \[2, 3\]"),  # the hybrid's GQA rule
-    (dict(attn='deltanet', n_kv_head=2), r"n_kv_head=2 is invalid: no layer of attn='deltanet' uses it$"),  # unused
-    (dict(attn='retnet', q_lora_rank=8), r"q_lora_rank=8 is invalid: no layer of attn='retnet' uses it"),
-    (dict(attn='gqa', kv_lora_rank=64), r"kv_lora_rank=64 is invalid: no layer of attn='gqa' uses it"),
-    (dict(attn='deltanet*3+gqa', rope_head_dim=8), r"rope_head_dim=8 is invalid: no layer of .* uses it"),
+    # the hybrid's GQA rule
+    (dict(attn='mamba2+gqa', n_kv_head=4), r"n_kv_head.*n_head=6 allows \[2, 3\]"),
+    # unused
+    (dict(attn='deltanet', n_kv_head=2), r"n_kv_head=2 is invalid: no layer of attn='deltanet' "
+                                         r"uses it$"),
+    (dict(attn='retnet', q_lora_rank=8), r"q_lora_rank=8 is invalid: no layer of attn='retnet' "
+                                         r"uses it"),
+    (dict(attn='gqa', kv_lora_rank=64), r"kv_lora_rank=64 is invalid: no layer of attn='gqa' uses "
+                                        r"it"),
+    (dict(attn='deltanet*3+gqa', rope_head_dim=8), r"rope_head_dim=8 is invalid: no layer of .* "
+                                                   r"uses it"),
     (dict(pos_emb='alibi'), r"pos_emb.*must be 'rope' or 'learned'"),
-    (dict(linear_kernels='triton'), r"linear_kernels='triton' is invalid: must be 'fla' .* or 'torch'"),
+    (dict(linear_kernels='triton'), r"linear_kernels='triton' is invalid: must be 'fla' .* or "
+                                    r"'torch'"),
     (dict(n_embd=100, n_head=6), r"n_embd.*divisible by n_head"),
     (dict(attn='gqa', n_kv_head=4), r"n_kv_head.*n_head=6 allows \[2, 3\].*divisor"),
     (dict(attn='gqa', n_kv_head=6), r"n_kv_head.*\[2, 3\]"),
-    (dict(attn='gqa', n_head=5, n_embd=40), r"n_head=5 is invalid.*allows \[\]"),  # no grouping: n_head is wrong
+    # no grouping: n_head is wrong
+    (dict(attn='gqa', n_head=5, n_embd=40), r"n_head=5 is invalid.*allows \[\]"),
     (dict(attn='mha', n_kv_head=3), r"n_kv_head=3.*allows \[6\]"),
     (dict(attn='mqa', n_kv_head=2), r"n_kv_head.*allows \[1\]"),
     (dict(attn='mla', n_kv_head=2), r"n_kv_head=2 is invalid: no layer of attn='mla' uses it$"),
@@ -49,9 +66,12 @@ BAD = [
     (dict(chunk_size=0), r"chunk_size.*>= 1"),
     (dict(dropout=1.0), r"dropout.*\[0, 1\)"),
     (dict(rope_base=0.0), r"rope_base.*> 0"),
-    (dict(dropout='0.1'), r"dropout='0.1' is invalid: must be of type float"), (dict(dropout=None), r"dropout=None"),
-    (dict(rope_base='1e4'), r"rope_base='1e4' is invalid"), (dict(rope_base=float('inf')), r"rope_base=inf.*finite"),
-    (dict(n_layer=True), r"n_layer=True is invalid: must be of type int"),  # True is an int to Python, not a count
+    (dict(dropout='0.1'), r"dropout='0.1' is invalid: must be of type float"),
+    (dict(dropout=None), r"dropout=None"),
+    (dict(rope_base='1e4'), r"rope_base='1e4' is invalid"),
+    (dict(rope_base=float('inf')), r"rope_base=inf.*finite"),
+    # True is an int to Python, not a count
+    (dict(n_layer=True), r"n_layer=True is invalid: must be of type int"),
 ]
 
 
@@ -69,36 +89,42 @@ def test_layout_defaults_for_n_kv_head():
     assert GPTConfig(attn='gqa', n_head=32, n_embd=4096, n_kv_head=8).n_kv_head == 8
     # odd head_dim is fine without RoPE, and learned positions keep MLA's (unrotated) shared key
     GPTConfig(n_embd=30, n_head=6, pos_emb='learned')
-    for attn in ('mla', 'linear'):  # MHA's parameter count, which they match, does not need RoPE's even head_dim
+    # MHA's parameter count, which they match, does not need RoPE's even head_dim
+    for attn in ('mla', 'linear'):
         GPTConfig(attn=attn, n_embd=30, n_head=6, match_mha_params=True)
 
 
 def test_mla_sizes_default_to_the_papers_ratios():
-    """d_c = 4 head_dim and d_R = head_dim / 2 (DeepSeek-V2: 512 and 64 at head_dim 128) unless given; a small
-    model with match_mha_params then builds (the old fixed d_c = 256 asked for a negative MLP width)."""
+    """d_c = 4 head_dim and d_R = head_dim / 2 (DeepSeek-V2: 512 and 64 at head_dim 128) unless
+    given; a small model with match_mha_params then builds (the old fixed d_c = 256 asked for a
+    negative MLP width)."""
     for n_head, n_embd in ((6, 384), (4, 64), (32, 4096)):
         cfg = GPTConfig(attn='mla', n_head=n_head, n_embd=n_embd, n_layer=2, match_mha_params=True)
-        assert (cfg.kv_lora_rank, cfg.rope_head_dim) == (4 * n_embd // n_head, n_embd // n_head // 2)
+        head_dim = n_embd // n_head
+        assert (cfg.kv_lora_rank, cfg.rope_head_dim) == (4 * head_dim, head_dim // 2)
     assert GPTConfig(attn='mla', kv_lora_rank=96, rope_head_dim=8).kv_lora_rank == 96
-    assert GPTConfig(attn='deltanet+mla', n_layer=2, n_head=4, n_embd=64).kv_lora_rank == 64  # a hybrid's MLA too
+    # a hybrid's MLA too
+    assert GPTConfig(attn='deltanet+mla', n_layer=2, n_head=4, n_embd=64).kv_lora_rank == 64
 
 
 def test_a_stack_keeps_the_defaults_of_fields_it_does_not_use():
-    """GQA's config shows kv_lora_rank = rope_head_dim = 0, not MLA's sizes filled in, MLA and the linear layouts
-    n_kv_head = 0; what older code filled in (MLA's sizes in a checkpoint converted before 12/2026, n_kv_head =
-    n_head in every MLA or linear checkpoint before the layouts' own rules) still loads, as the default."""
+    """GQA's config shows kv_lora_rank = rope_head_dim = 0, not MLA's sizes filled in, MLA and the
+    linear layouts n_kv_head = 0; what older code filled in (MLA's sizes in a checkpoint converted
+    before 12/2026, n_kv_head = n_head in every MLA or linear checkpoint before the layouts' own
+    rules) still loads, as the default."""
     for attn in ('mha', 'gqa', 'retnet', 'gated_deltanet*3+gqa'):
         cfg = GPTConfig(attn=attn)
         assert (cfg.kv_lora_rank, cfg.rope_head_dim, cfg.q_lora_rank) == (0, 0, 0)
-    old = GPTConfig(attn='gqa', kv_lora_rank=4 * 64, rope_head_dim=32)  # head_dim 64: what the old code filled in
+    # head_dim 64: what the old code filled in
+    old = GPTConfig(attn='gqa', kv_lora_rank=4 * 64, rope_head_dim=32)
     assert (old.kv_lora_rank, old.rope_head_dim) == (0, 0)
     for attn in ('mla', 'deltanet', 'linear*2+retnet'):
         assert GPTConfig(attn=attn).n_kv_head == GPTConfig(attn=attn, n_kv_head=6).n_kv_head == 0
 
 
 def test_hybrid_pattern_repeats_over_the_layers():
-    """'gated_deltanet*3+gqa' on 6 layers: 3 Gated DeltaNet, 1 GQA, then the pattern again from its start (Qwen3-Next's
-    full_attention_interval); each block is built with its layer's layout."""
+    """'gated_deltanet*3+gqa' on 6 layers: 3 Gated DeltaNet, 1 GQA, then the pattern again from its
+    start (Qwen3-Next's full_attention_interval); each block is built with its layer's layout."""
     from model import GPT, CausalSelfAttention, LinearAttention
     cfg = GPTConfig(attn='gated_deltanet*3+gqa', n_layer=6, n_head=4, n_embd=32)
     assert cfg.layouts == ['gated_deltanet'] * 3 + ['gqa'] + ['gated_deltanet'] * 2

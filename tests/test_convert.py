@@ -1,11 +1,17 @@
-"""MHA -> GQA / MQA conversion by mean-pooling K/V heads (Ainslie et al. 2023)."""
+"""MHA -> GQA / MQA conversion by mean-pooling K/V heads (Ainslie et al. 2023), and train.py's
+--init_from=<an MHA out_dir>."""
+import os
 import re
+import shlex
 from dataclasses import replace
 
+import numpy as np
 import pytest
 import torch
 
-from conftest import make_model, full_logits
+from conftest import (SHAKESPEARE, TINY_TRAIN, full_logits, interrupted, make_model, metrics,
+                      one_line, refused, run, train)
+from data.shakespeare_char.prepare import prepare
 from run.convert import pool_kv_heads
 from model import GPT
 
@@ -36,8 +42,10 @@ def test_group_means_and_hand_averaged_reference(n_kv_head):
             for i, off in ((1, C), (2, C + n_kv_head * hd)):  # k, then v
                 heads = w[i * C:(i + 1) * C].view(H, hd, *w.shape[1:])
                 for g in range(n_kv_head):
-                    torch.testing.assert_close(c[off + g * hd:off + (g + 1) * hd], heads[g * G:(g + 1) * G].mean(0))
-    # reference by hand: the MHA model with every head's K/V replaced by its group's mean, run as MHA
+                    group = heads[g * G:(g + 1) * G].mean(0)
+                    torch.testing.assert_close(c[off + g * hd:off + (g + 1) * hd], group)
+    # reference by hand: the MHA model with every head's K/V replaced by its group's mean, run as
+    # MHA
     ref = make_model('mha', bias=True)
     with torch.no_grad():
         for blk in ref.transformer.h:
@@ -48,104 +56,134 @@ def test_group_means_and_hand_averaged_reference(n_kv_head):
                                 .expand(-1, G, *heads.shape[1:]).reshape(heads.shape))
     idx = torch.randint(0, 40, (2, 20))
     torch.testing.assert_close(full_logits(model, idx), full_logits(ref, idx), atol=1e-10, rtol=0)
-    assert not torch.allclose(full_logits(model, idx), full_logits(mha, idx), atol=1e-3)  # it did change
+    # it did change
+    assert not torch.allclose(full_logits(model, idx), full_logits(mha, idx), atol=1e-3)
 
 
 @pytest.mark.parametrize('attn', ['mla', 'linear', 'gqa'])
 def test_other_layouts_are_refused(attn):
     model = make_model(attn)
-    with pytest.raises(ValueError, match=f"mean-pools the K/V heads of an 'mha' checkpoint; this one is '{attn}'"):
+    said = f"mean-pools the K/V heads of an 'mha' checkpoint; this one is '{attn}'"
+    with pytest.raises(ValueError, match=said):
         pool_kv_heads(model.state_dict(), model.config, 1)
 
 
 def test_train_py_converts_an_mha_checkpoint(tmp_path, char_data):
-    from test_train import train, metrics
     train(tmp_path / 'mha', char_data, '--max_iters=10', '--eval_interval=5')
-    r = train(tmp_path / 'gqa', char_data, '--attn=gqa', '--n_kv_head=2', f'--init_from={tmp_path / "mha"}',
-              '--max_iters=4', '--eval_interval=2', '--match_mha_params=True', '--wandb_log=True',
-              '--wandb_mode=disabled')
+    r = train(tmp_path / 'gqa', char_data, '--attn=gqa', '--n_kv_head=2',
+              f'--init_from={tmp_path / "mha"}', '--max_iters=4', '--eval_interval=2',
+              '--match_mha_params=True', '--wandb_log=True', '--wandb_mode=disabled')
     assert 'to gqa with 2 K/V heads by mean-pooling' in r.stdout
-    assert re.search(r"W&B run gqa-from-mha-\d{8}-\d{6} \(disabled\)", r.stdout), r.stdout  # its own run
+    # its own run
+    assert re.search(r"W&B run gqa-from-mha-\d{8}-\d{6} \(disabled\)", r.stdout), r.stdout
     ckpt = torch.load(tmp_path / 'gqa' / 'ckpt.pt', weights_only=True)
     assert ckpt['model_args']['attn'] == 'gqa' and ckpt['model_args']['n_kv_head'] == 2
     assert ckpt['model_args']['match_mha_params'] is False  # the MHA checkpoint's MLP is kept
+    # starts from the trained model, not scratch
     first = metrics(tmp_path / 'gqa')[0]['val/loss']
-    assert first < metrics(tmp_path / 'mha')[0]['val/loss'] - 0.3  # starts from the trained model, not scratch
-    import subprocess, sys
-    from conftest import ROOT
-    from test_train import TINY
-    bad = subprocess.run([sys.executable, 'train.py', *TINY, '--attn=gqa', f'--init_from={tmp_path / "gqa"}',
-                          f'--out_dir={tmp_path / "x"}', f'--data_dir={char_data}'], cwd=ROOT,
-                         capture_output=True, text=True)
-    assert bad.returncode == 2 and "this one is 'gqa'" in bad.stderr and 'Traceback' not in bad.stderr
-    from conftest import SHAKESPEARE
-    from data.shakespeare_char.prepare import prepare
-    (tmp_path / 'lower.txt').write_text(open(SHAKESPEARE).read()[:20_000].lower())  # fewer characters
+    assert first < metrics(tmp_path / 'mha')[0]['val/loss'] - 0.3
+    convert_to = lambda *args: run('train.py', *TINY_TRAIN, f'--init_from={tmp_path / "mha"}',
+                                   f'--out_dir={tmp_path / "x"}', *args, timeout=None)
+    bad = run('train.py', *TINY_TRAIN, '--attn=gqa', f'--init_from={tmp_path / "gqa"}',
+              f'--out_dir={tmp_path / "x"}', f'--data_dir={char_data}', timeout=None)
+    assert bad.returncode == 2 and "this one is 'gqa'" in bad.stderr
+    assert 'Traceback' not in bad.stderr
+    text = open(SHAKESPEARE).read()
+    (tmp_path / 'lower.txt').write_text(text[:20_000].lower())  # fewer characters
     prepare(str(tmp_path / 'lower'), str(tmp_path / 'lower.txt'))
-    (tmp_path / 'greek.txt').write_text(open(SHAKESPEARE).read().replace('Z', 'Ω'))  # as many, not the same
+    (tmp_path / 'greek.txt').write_text(text.replace('Z', 'Ω'))  # as many, not the same
     prepare(str(tmp_path / 'greek'), str(tmp_path / 'greek.txt'))
-    for args, said in (([f'--data_dir={char_data}', '--attn=mla'], "attn must be mha, gqa or mqa, not 'mla'"),
-                       ([f'--data_dir={char_data}', '--attn=deltanet+gqa'], "not 'deltanet+gqa'"),  # a hybrid target
-                       ([f'--data_dir={tmp_path / "lower"}', '--attn=gqa'], "needs its vocabulary: it has 65 tokens"),
-                       ([f'--data_dir={tmp_path / "greek"}', '--attn=gqa'], "the data in " + str(tmp_path / 'greek')),
-                       ([f'--data_dir={tmp_path / "greek"}', '--init_from=resume', f'--out_dir={tmp_path / "mha"}'],
-                        "was trained on another vocabulary (65 tokens)")):
-        bad = subprocess.run([sys.executable, 'train.py', *TINY, f'--init_from={tmp_path / "mha"}',
-                              f'--out_dir={tmp_path / "x"}', *args], cwd=ROOT, capture_output=True, text=True)
-        assert bad.returncode == 2 and said in bad.stderr and len(bad.stderr.strip().splitlines()) == 1, bad.stderr
+    greek = f'--data_dir={tmp_path / "greek"}'
+    for args, said in (
+            ([f'--data_dir={char_data}', '--attn=mla'], "attn must be mha, gqa or mqa, not 'mla'"),
+            # a hybrid target
+            ([f'--data_dir={char_data}', '--attn=deltanet+gqa'], "not 'deltanet+gqa'"),
+            ([f'--data_dir={tmp_path / "lower"}', '--attn=gqa'],
+             "needs its vocabulary: it has 65 tokens"),
+            ([greek, '--attn=gqa'], "the data in " + str(tmp_path / 'greek')),
+            ([greek, '--init_from=resume', f'--out_dir={tmp_path / "mha"}'],
+             "was trained on another vocabulary (65 tokens)")):
+        bad = convert_to(*args)
+        assert bad.returncode == 2 and said in bad.stderr, bad.stderr
+        assert len(bad.stderr.strip().splitlines()) == 1, bad.stderr
     before = (tmp_path / 'mha' / 'ckpt.pt').read_bytes()
-    same = subprocess.run([sys.executable, 'train.py', *TINY, '--attn=mqa', f'--init_from={tmp_path / "mha"}',
-                           f'--out_dir={tmp_path / "mha" / "."}', f'--data_dir={char_data}'], cwd=ROOT,
-                          capture_output=True, text=True)
-    assert same.returncode == 2 and 'holds the checkpoint being converted' in same.stderr, same.stderr
-    assert len(same.stderr.strip().splitlines()) == 1 and (tmp_path / 'mha' / 'ckpt.pt').read_bytes() == before
+    same = run('train.py', *TINY_TRAIN, '--attn=mqa', f'--init_from={tmp_path / "mha"}',
+               f'--out_dir={tmp_path / "mha" / "."}', f'--data_dir={char_data}', timeout=None)
+    said = 'holds the checkpoint being converted'
+    assert same.returncode == 2 and said in same.stderr, same.stderr
+    assert len(same.stderr.strip().splitlines()) == 1
+    assert (tmp_path / 'mha' / 'ckpt.pt').read_bytes() == before
+
+
+def test_a_conversion_source_missing_a_weight_or_longer_than_the_data_is_one_line(
+        tmp_path, trained, char_data):
+    """A conversion source with a weight missing, or a block_size longer than the data, is one
+    line."""
+    state = torch.load(trained / 'ckpt.pt', weights_only=True)
+    (tmp_path / 'missing').mkdir()
+    kept = {k: v for k, v in state['model'].items() if 'h.1.mlp.c_fc' not in k}
+    torch.save({**state, 'model': kept}, tmp_path / 'missing' / 'ckpt.pt')
+    err = refused(tmp_path / 'x', char_data, '--attn=gqa', f'--init_from={tmp_path / "missing"}',
+                  '--max_iters=2')
+    assert 'cannot convert' in err and 'Missing key' in err
+    assert not (tmp_path / 'x' / 'ckpt.pt').exists()
+    long_run = ['config/cpu.py', '--n_layer=1', '--n_head=2', '--n_embd=16', '--batch_size=2',
+                '--eval_iters=1']
+    train(tmp_path / 'long', char_data, '--max_iters=1', '--eval_interval=1', '--block_size=300',
+          base=long_run)
+    # the same vocabulary, a val.bin of 280 tokens: enough for cpu.py's 64, not 300
+    short = tmp_path / 'short'
+    short.mkdir()
+    (short / 'meta.json').write_bytes(open(os.path.join(char_data, 'meta.json'), 'rb').read())
+    (np.arange(2000) % 65).astype(np.uint16).tofile(short / 'train.bin')
+    (np.arange(280) % 65).astype(np.uint16).tofile(short / 'val.bin')
+    r = run('train.py', *long_run, '--attn=gqa', f'--init_from={tmp_path / "long"}',
+            f'--out_dir={tmp_path / "y"}', f'--data_dir={short}', '--max_iters=2')
+    assert 'val.bin has 280 tokens, not more than block_size=300' in one_line(r)
 
 
 def test_a_cpu_preset_conversion_takes_the_source_shape_and_resumes_as_printed(tmp_path, char_data):
-    """`python train.py config/gqa.py --init_from=<CPU-preset MHA out_dir>` (the README's line): the model's shape
-    and block_size come from the checkpoint; a flag asking for another shape is one line; the command printed at
-    Ctrl-C carries the shape and works as printed."""
-    import shlex, subprocess, sys
-    from conftest import ROOT
-    from test_train import train, interrupted
-    train(tmp_path / 'mha', char_data, '--max_iters=1', '--eval_interval=1', launcher=(sys.executable,),
-          base=['config/mha.py', 'config/cpu.py', '--eval_iters=2'])  # 4 layers, 128 wide, block 64
-    quick = ['config/gqa.py', '--device=cpu', '--batch_size=4', '--eval_iters=2', '--log_interval=5']
-    bad = subprocess.run([sys.executable, 'train.py', *quick, '--n_layer=3', f'--init_from={tmp_path / "mha"}',
-                          f'--out_dir={tmp_path / "x"}', f'--data_dir={char_data}'], cwd=ROOT, capture_output=True,
-                         text=True)
-    assert bad.returncode == 2 and bad.stderr.strip() == \
-        f"error: converting {tmp_path / 'mha'} keeps its shape: drop --n_layer=3 (the checkpoint has 4)"
-    # a config file's value, even the one already in effect (6, the default), after a flag: named as the file's
+    """`python train.py config/gqa.py --init_from=<CPU-preset MHA out_dir>` (the README's line): the
+    model's shape and block_size come from the checkpoint; a flag asking for another shape is one
+    line; the command printed at Ctrl-C carries the shape and works as printed."""
+    mha = tmp_path / 'mha'
+    # 4 layers, 128 wide, block 64
+    train(mha, char_data, '--max_iters=1', '--eval_interval=1',
+          base=['config/mha.py', 'config/cpu.py', '--eval_iters=2'])
+    quick = ['config/gqa.py', '--device=cpu', '--batch_size=4', '--eval_iters=2',
+             '--log_interval=5']
+    into = [f'--init_from={mha}', f'--out_dir={tmp_path / "x"}', f'--data_dir={char_data}']
+    bad = run('train.py', *quick, '--n_layer=3', *into, timeout=None)
+    said = f"error: converting {mha} keeps its shape: drop --n_layer=3 (the checkpoint has 4)"
+    assert bad.returncode == 2 and bad.stderr.strip() == said
+    # a config file's value, even the one already in effect (6, the default), after a flag: named
+    # as the file's
     (tmp_path / 'shape.py').write_text('n_layer = 6\n')
-    bad = subprocess.run([sys.executable, 'train.py', *quick, '--n_layer=2', str(tmp_path / 'shape.py'),
-                          f'--init_from={tmp_path / "mha"}', f'--out_dir={tmp_path / "x"}', f'--data_dir={char_data}'],
-                         cwd=ROOT, capture_output=True, text=True)
-    assert bad.stderr.strip().endswith(f"drop n_layer=6 of {tmp_path / 'shape.py'} (the checkpoint has 4)"), bad.stderr
-    out, err = interrupted(tmp_path / 'gqa', char_data, f'--init_from={tmp_path / "mha"}', '--eval_interval=1000', base=quick)
-    assert re.search(r"^the shape of .*mha: block_size=64 n_layer=4 n_head=4 n_embd=128 ", out, re.M), out
+    bad = run('train.py', *quick, '--n_layer=2', str(tmp_path / 'shape.py'), *into, timeout=None)
+    said = f"drop n_layer=6 of {tmp_path / 'shape.py'} (the checkpoint has 4)"
+    assert bad.stderr.strip().endswith(said), bad.stderr
+    out, err = interrupted(tmp_path / 'gqa', char_data, f'--init_from={mha}',
+                           '--eval_interval=1000', base=quick)
+    said = r"^the shape of .*mha: block_size=64 n_layer=4 n_head=4 n_embd=128 "
+    assert re.search(said, out, re.M), out
     assert "tokens per iteration will be: 256\n" in out  # 4 x 64: the checkpoint's block_size
-    command = shlex.split(re.search(r"continue with:\n  (.*)", err).group(1))
-    assert {'--block_size=64', '--n_layer=4', '--match_mha_params=False', '--init_from=resume'} <= set(command)
+    command = shlex.split(re.search(r"continue with:\n  (.*)", err)[1])
+    shape = {'--block_size=64', '--n_layer=4', '--match_mha_params=False', '--init_from=resume'}
+    assert shape <= set(command)
     it = torch.load(tmp_path / 'gqa' / 'last.pt', weights_only=True)['iter_num']
-    r = subprocess.run([sys.executable, *command[1:], f'--max_iters={it + 1}'], cwd=ROOT, capture_output=True,
-                       text=True, timeout=120)
+    r = run(*command[1:], f'--max_iters={it + 1}')
     assert r.returncode == 0 and f"at iteration {it}" in r.stdout, r.stderr
 
 
 def test_k_v_heads_are_checked_against_the_sources_heads(tmp_path, char_data):
-    """--n_kv_head=4 is a GQA of an 8-head source, whatever n_head the flags left at its default (6 allows 2, 3):
-    the converted model's heads are the checkpoint's, and so is the check."""
-    import subprocess, sys
-    from conftest import ROOT
-    from test_train import train
+    """--n_kv_head=4 is a GQA of an 8-head source, whatever n_head the flags left at its default
+    (6 allows 2, 3): the converted model's heads are the checkpoint's, and so is the check."""
     train(tmp_path / 'mha8', char_data, '--n_head=8', '--max_iters=1', '--eval_interval=1')
-    r = subprocess.run([sys.executable, 'train.py', '--device=cpu', '--batch_size=4', '--eval_iters=2', '--attn=gqa',
-                        '--n_kv_head=4', '--max_iters=1', f'--init_from={tmp_path / "mha8"}',
-                        f'--out_dir={tmp_path / "gqa"}', f'--data_dir={char_data}'], cwd=ROOT, capture_output=True,
-                       text=True, timeout=300)
+    into = [f'--init_from={tmp_path / "mha8"}', f'--data_dir={char_data}']
+    r = run('train.py', '--device=cpu', '--batch_size=4', '--eval_iters=2', '--attn=gqa',
+            '--n_kv_head=4', '--max_iters=1', *into, f'--out_dir={tmp_path / "gqa"}', timeout=300)
     assert r.returncode == 0 and 'to gqa with 4 K/V heads by mean-pooling' in r.stdout, r.stderr
-    bad = subprocess.run([sys.executable, 'train.py', '--device=cpu', '--attn=gqa', '--n_kv_head=3',
-                          f'--init_from={tmp_path / "mha8"}', f'--out_dir={tmp_path / "x"}', f'--data_dir={char_data}'],
-                         cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert bad.returncode == 2 and "n_head=8 allows [2, 4]" in bad.stderr and len(bad.stderr.splitlines()) == 1, bad.stderr
+    bad = run('train.py', '--device=cpu', '--attn=gqa', '--n_kv_head=3', *into,
+              f'--out_dir={tmp_path / "x"}', timeout=300)
+    assert bad.returncode == 2 and "n_head=8 allows [2, 4]" in bad.stderr, bad.stderr
+    assert len(bad.stderr.splitlines()) == 1, bad.stderr

@@ -28,7 +28,7 @@ def triton_runs(monkeypatch):
     and no tensor loop index from a Python range() in a kernel (fla calls .to() on it)."""
     if DEVICE == 'cuda':
         return
-    for where in ('ops.linear_fla', 'model', 'bench'):  # (the scripts run fla on CUDA only)
+    for where in ('ops.linear_fla', 'model', 'benchmarks.gpu'):  # (the scripts run fla on CUDA only)
         monkeypatch.setattr(f'{where}.fla_runs', lambda x: True)
     import triton.language as tl
     import triton.runtime.autotuner as autotuner
@@ -127,8 +127,8 @@ def test_compiled_training_step_on_fla_equals_eager_ours():
 
 def test_bench_times_fla_against_ours():
     """bench.py gpu's section: a row per linear layout (none for softmax ones), with a difference that is small."""
-    import bench
-    report = bench.fla_vs_ours(['mha', *LINEAR_RULES], dict(n_head=2, n_embd=32), 2, DEVICE, T=20, rounds=1)
+    from benchmarks.gpu import fla_vs_ours
+    report = fla_vs_ours(['mha', *LINEAR_RULES], dict(n_head=2, n_embd=32), 2, DEVICE, T=20, rounds=1)
     rows = [r for r in report.splitlines() if r.startswith('| ') and 'layout' not in r]
     assert [r.split(' | ')[0][2:] for r in rows] == list(LINEAR_RULES)
     assert all(float(r.split(' | ')[-1].rstrip(' |')) < 1e-3 for r in rows), report

@@ -208,14 +208,14 @@ def test_float32_state_in_a_bf16_model_and_under_autocast(layout):
     cache = model.init_cache(2)
     logits, _ = model(torch.randint(0, 40, (2, 9)), cache=cache)
     assert logits.dtype == torch.bfloat16 and torch.isfinite(logits).all()
-    assert all(b.dtype == torch.float32 for layer in cache.layers for b in layer.bufs)
+    assert all(b.dtype == torch.float32 for layer in cache.layers for b in layer.buffers.values())
     model = make_model(layout, dtype=torch.float32)
     idx = torch.randint(0, 40, (2, 20))
     cache = model.init_cache(2)
     with torch.autocast('cpu', dtype=torch.bfloat16):
         logits, _ = model(idx, cache=cache)
         step, _ = model(idx[:, :1], cache=cache)  # one recurrent step under autocast too
-    assert all(b.dtype == torch.float32 for layer in cache.layers for b in layer.bufs)
+    assert all(b.dtype == torch.float32 for layer in cache.layers for b in layer.buffers.values())
     full = model(idx, targets=idx)[0]
     assert ((logits.float() - full).norm() / full.norm()).item() < 0.05  # bf16 projections only
 

@@ -3,22 +3,11 @@ and a fixed state for linear attention."""
 import pytest
 import torch
 
-from conftest import make_model
+from conftest import make_model, table_layer_elements
 from model import LINEAR_RULES
 
 L, H, DK = 2, 4, 8   # the tiny config: n_layer, n_head, head_dim
 H_KV = {'mha': 4, 'gqa': 2, 'mqa': 1}
-
-
-def table_layer_elements(layout, T):
-    """One layer of the README's table, written out: K and V of h_kv heads per token, MLA's d_c + d_R per token, or a
-    linear layout's fixed state: d_k x d_v per head (Katharopoulos one column more, its normalizer z; the others
-    the short conv's last conv_size - 1 = 3 inputs of q, k and v, 3 * n_embd each)."""
-    if layout in H_KV:
-        return 2 * H_KV[layout] * DK * T
-    if layout == 'mla':
-        return (16 + 4) * T  # d_c + d_R
-    return H * DK * (DK + 1) if layout == 'linear' else H * DK * DK + 3 * (3 * H * DK)
 
 
 @pytest.mark.parametrize('dtype', [torch.float32, torch.float64, torch.bfloat16, torch.float16])
@@ -52,6 +41,6 @@ def test_grouped_heads_cache_counts_h_kv_not_h_q():
         model = make_model(attn)
         cache = model.init_cache(1)
         model(torch.randint(0, 40, (1, 10)), cache=cache)
-        assert all(buf.size(1) == h_kv for layer in cache.layers for buf in layer.bufs)
+        assert all(buf.size(1) == h_kv for layer in cache.layers for buf in layer.buffers.values())
         wrong = 2 * L * H * DK * 10 * 8  # counted with h_q
         assert (cache.nbytes == wrong) == (attn == 'mha')

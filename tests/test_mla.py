@@ -76,8 +76,8 @@ def test_cache_holds_normed_latent_and_rotated_rope_key():
     model(idx[:, :4], cache=cache)
     model(idx[:, 4:], cache=cache)
     attn, h = layer0_inputs(model, idx)
-    held = cache.layers[0].bufs[0][:, 0, :11]                         # (B, T, d_c + d_R)
-    assert cache.layers[0].bufs[0].shape == (2, 1, model.config.block_size, 16 + 4)
+    held = cache.layers[0].latent[:, 0, :11]                         # (B, T, d_c + d_R)
+    assert cache.layers[0].latent.shape == (2, 1, model.config.block_size, 16 + 4)
     c, k_r = attn.kv_down(h).split([attn.dc, attn.dR], -1)            # W_DKV x, W_KR x
     torch.testing.assert_close(held[..., :attn.dc], attn.kv_norm(c), atol=1e-12, rtol=0)
     torch.testing.assert_close(held[..., attn.dc:], apply_rope(k_r, model.rope(torch.arange(11))), atol=1e-12, rtol=0)

@@ -18,7 +18,8 @@ def configs(draw):
     if attn == 'gqa':
         cfg['n_kv_head'] = draw(st.sampled_from([d for d in range(2, n_head) if n_head % d == 0]))
     if attn == 'mla':
-        cfg.update(kv_lora_rank=draw(st.integers(1, 12)), rope_head_dim=draw(st.sampled_from([2, 4])),
+        cfg.update(kv_lora_rank=draw(st.integers(1, 12)),
+                   rope_head_dim=draw(st.sampled_from([2, 4])),
                    q_lora_rank=draw(st.sampled_from([0, 5])))
     if attn == 'linear':
         cfg['chunk_size'] = draw(st.integers(1, 9))
@@ -32,8 +33,8 @@ def test_cached_chunks_equal_full_forward_and_greedy_agrees(cfg, data):
     model = make_model(attn, seed=data.draw(st.integers(0, 99)), **cfg)
     B = data.draw(st.integers(1, 3))
     T = data.draw(st.integers(1, cfg['block_size']))
-    idx = torch.tensor(data.draw(st.lists(st.lists(st.integers(0, cfg['vocab_size'] - 1), min_size=T, max_size=T),
-                                          min_size=B, max_size=B)))
+    row = st.lists(st.integers(0, cfg['vocab_size'] - 1), min_size=T, max_size=T)
+    idx = torch.tensor(data.draw(st.lists(row, min_size=B, max_size=B)))
     cache, out, pos = model.init_cache(B), [], 0
     while pos < T:
         n = data.draw(st.integers(1, T - pos))

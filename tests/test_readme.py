@@ -8,9 +8,9 @@ import sys
 
 import pytest
 
+from benchmarks.cache import cache_report
+from benchmarks.common import readme_section
 from conftest import ROOT
-
-import bench
 
 
 def test_readme_cache_table_matches_the_code():
@@ -18,7 +18,7 @@ def test_readme_cache_table_matches_the_code():
         readme = f.read()
     section = re.search(r"<!-- cache-table -->\n(.*?)<!-- /cache-table -->", readme, re.S)
     assert section, "README.md lost its cache-table section"
-    assert section.group(1) == bench.readme_section('cache', bench.cache_report()), \
+    assert section.group(1) == readme_section('cache', cache_report()), \
         "README table is stale: run `python bench.py cache --readme`"
 
 
@@ -35,7 +35,7 @@ def test_readme_tables_are_the_committed_bench_output(mode):
     with open(os.path.join(ROOT, 'README.md')) as f:
         section = re.search(f"<!-- {mode}-table -->\n(.*?)<!-- /{mode}-table -->", f.read(), re.S)
     with open(os.path.join(ROOT, 'results', f'{mode}.md')) as f:
-        assert section and section.group(1) == bench.readme_section(mode, f.read()), \
+        assert section and section.group(1) == readme_section(mode, f.read()), \
             f"run `python bench.py {mode} --readme` (or restore results/{mode}.md)"
 
 

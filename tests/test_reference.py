@@ -1,10 +1,10 @@
-"""Each layout against its paper's equations, not only against itself. The references below are written
-from the modules' weights with plain loops and use nothing from model.py but the modules (no apply_rope,
-attend, phi): RoPE (Su et al. 2021), GQA's contiguous groups (Ainslie et al. 2023), MLA (DeepSeek-V2,
-eqs. 9-19), linear attention (Katharopoulos et al. 2020, eqs. 4-6) and the state-update rules (RetNet,
-Mamba-2, DeltaNet, Gated DeltaNet). Each layer is checked on the
-training path and on the cached path (a prefill, a chunk after it, then one token at a time), and each
-check is shown to reject a broken copy."""
+"""Each layout against its paper's equations, not only against itself. The references below are
+written from the modules' weights with plain loops and use nothing from model.py but the modules
+(no apply_rope, attend, phi): RoPE (Su et al. 2021), GQA's contiguous groups (Ainslie et al. 2023),
+MLA (DeepSeek-V2, eqs. 9-19), linear attention (Katharopoulos et al. 2020, eqs. 4-6) and the
+state-update rules (RetNet, Mamba-2, DeltaNet, Gated DeltaNet). Each layer is checked on the
+training path and on the cached path (a prefill, a chunk after it, then one token at a time), and
+each check is shown to reject a broken copy."""
 import math
 
 import pytest
@@ -15,19 +15,22 @@ from conftest import make_model
 from ops.softmax import apply_rope, rope_table
 
 T = 12
-ATOL = 1e-6  # float64 models, but the model's RoPE table holds float32 cos/sin (~6e-8); the bugs are O(1e-2)
+# float64 models, but the model's RoPE table holds float32 cos/sin (~6e-8); the bugs are O(1e-2)
+ATOL = 1e-6
 SCHEDULE = (5, 3, 1, 1, 1, 1)  # the cached path: a prefill, a chunk after it (L != S), then decode
 
 
-# ---------------------------------------------------------------------------------------------- RoPE
+# ------------------------------------------------------------------------------------------ RoPE
 
 def rope_ref(x, positions, base, theta_exp=1.0, sign=1.0):
-    """RoPE as written in the paper: the pair (x[2i], x[2i+1]) is the complex number x[2i] + i x[2i+1],
-    multiplied by e^(i m theta_i), theta_i = base^(-2i/d), at position m. x (..., T, d)."""
+    """RoPE as written in the paper: the pair (x[2i], x[2i+1]) is the complex number
+    x[2i] + i x[2i+1], multiplied by e^(i m theta_i), theta_i = base^(-2i/d), at position m.
+    x (..., T, d)."""
     d = x.size(-1)
     theta = base ** (-theta_exp * torch.arange(0, d, 2, dtype=torch.float64) / d)
     angle = sign * positions.double()[:, None] * theta                          # (T, d/2)
-    z = torch.complex(x[..., 0::2].double(), x[..., 1::2].double()) * torch.polar(torch.ones_like(angle), angle)
+    z = torch.complex(x[..., 0::2].double(), x[..., 1::2].double())
+    z = z * torch.polar(torch.ones_like(angle), angle)
     return torch.stack([z.real, z.imag], -1).flatten(-2).to(x.dtype)
 
 
@@ -42,19 +45,22 @@ ROPE_BUGS = {  # broken copies of RoPE that keep it self-consistent (cached == u
     'half-split pairs (x[i], x[i + d/2])': lambda x, p, base=10000.0: torch.cat(
         rope_ref(torch.stack([x[..., :x.size(-1) // 2], x[..., x.size(-1) // 2:]], -1).flatten(-2),
                  p, base).unflatten(-1, (-1, 2)).unbind(-1), -1),
-    'angle m^2 theta (not a function of m - n)': lambda x, p, base=10000.0: rope_ref(x, p * p, base),
+    'angle m^2 theta (not a function of m - n)':
+        lambda x, p, base=10000.0: rope_ref(x, p * p, base),
     'cos only, no sin': lambda x, p, base=10000.0: x * torch.cos(p.double()[:, None] * base ** (
-        -torch.arange(0, x.size(-1), 2, dtype=torch.float64) / x.size(-1))).repeat_interleave(2, -1).to(x.dtype),
+        -torch.arange(0, x.size(-1), 2, dtype=torch.float64) / x.size(-1))
+    ).repeat_interleave(2, -1).to(x.dtype),
 }
 
 
 def hand_values(fn):
-    """d = 4, base 10000: theta = (1, 0.01). x = (1, 0, 0, 1) at position m is (cos m, sin m, -sin 0.01m,
-    cos 0.01m); at position 0 nothing moves."""
+    """d = 4, base 10000: theta = (1, 0.01). x = (1, 0, 0, 1) at position m is
+    (cos m, sin m, -sin 0.01m, cos 0.01m); at position 0 nothing moves."""
     x = torch.tensor([[1.0, 0.0, 0.0, 1.0]] * 3, dtype=torch.float64)
     want = torch.tensor([[1.0, 0.0, 0.0, 1.0],
                          [math.cos(1), math.sin(1), -math.sin(0.01), math.cos(0.01)],
-                         [math.cos(7), math.sin(7), -math.sin(0.07), math.cos(0.07)]], dtype=torch.float64)
+                         [math.cos(7), math.sin(7), -math.sin(0.07), math.cos(0.07)]],
+                        dtype=torch.float64)
     return torch.allclose(fn(x, torch.tensor([0, 1, 7])), want, atol=ATOL, rtol=0)
 
 
@@ -66,7 +72,8 @@ def preserves_norms(fn):
 def depends_on_m_minus_n_only(fn):
     """q_m . k_n is the same for (m, n) and (m + s, n + s), and changes with m - n."""
     g = torch.Generator().manual_seed(1)
-    q, k = torch.randn(1, 16, dtype=torch.float64, generator=g), torch.randn(1, 16, dtype=torch.float64, generator=g)
+    q = torch.randn(1, 16, dtype=torch.float64, generator=g)
+    k = torch.randn(1, 16, dtype=torch.float64, generator=g)
 
     def dot(m, n):
         return (fn(q, torch.tensor([m])) * fn(k, torch.tensor([n]))).sum().item()
@@ -78,7 +85,8 @@ def depends_on_m_minus_n_only(fn):
 def equals_reference(fn):
     x = torch.randn(2, 3, 40, 32, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
     p = torch.arange(5, 45)
-    return all(torch.allclose(fn(x, p, base), rope_ref(x, p, base), atol=ATOL, rtol=0) for base in (10000.0, 500.0))
+    return all(torch.allclose(fn(x, p, base), rope_ref(x, p, base), atol=ATOL, rtol=0)
+               for base in (10000.0, 500.0))
 
 
 ROPE_CHECKS = [hand_values, preserves_norms, depends_on_m_minus_n_only, equals_reference]
@@ -96,15 +104,17 @@ def test_rope_checks_reject_the_bug(bug):
 
 
 def test_model_rope_slices_its_table_at_the_position():
-    """GPT.rope(positions) is the rotation of positions pos .. pos + L - 1 (the offset the cache relies on)."""
+    """GPT.rope(positions) is the rotation of positions pos .. pos + L - 1 (the offset the cache
+    relies on)."""
     model = make_model('mha', rope_base=500.0)
     x = torch.randn(2, 4, 6, 8, dtype=torch.float64)
     for pos in (0, 3, 20):
-        torch.testing.assert_close(apply_rope(x, model.rope(torch.arange(pos, pos + 6))), rope_ref(x, torch.arange(pos, pos + 6), 500.0),
-                                   atol=ATOL, rtol=0)
+        positions = torch.arange(pos, pos + 6)
+        torch.testing.assert_close(apply_rope(x, model.rope(positions)),
+                                   rope_ref(x, positions, 500.0), atol=ATOL, rtol=0)
 
 
-# ---------------------------------------------------------------------------------------------- layers
+# ---------------------------------------------------------------------------------------- layers
 
 def linear(x, layer):
     return x @ layer.weight.T + (layer.bias if layer.bias is not None else 0)
@@ -121,8 +131,9 @@ def causal_softmax_rows(scores):
 
 
 def softmax_attention_ref(attn, x, base, group=lambda h, H, H_kv: h // (H // H_kv)):
-    """MHA / GQA / MQA (Ainslie et al. 2023): query head h reads K/V head h // (n_head / n_kv_head), so each
-    group is a run of consecutive query heads. x (B, T, C), positions 0 .. T-1."""
+    """MHA / GQA / MQA (Ainslie et al. 2023): query head h reads K/V head
+    h // (n_head / n_kv_head), so each group is a run of consecutive query heads. x (B, T, C),
+    positions 0 .. T-1."""
     B, T, _ = x.shape
     H, H_kv, d = attn.n_head, attn.n_kv_head, attn.head_dim
     q, k, v = linear(x, attn.c_attn).split([H * d, H_kv * d, H_kv * d], -1)
@@ -142,7 +153,8 @@ def mla_ref(attn, x, base, scale=None, rotate_keys=True):
     """DeepSeek-V2 MLA, eqs. 9-19, per head i: c = W_DKV h, RMS-normed (as in the released code);
     k^C_i = W_UK_i c; v_i = W_UV_i c;
     k^R = RoPE(W_KR h), one for all heads; q_i = [q^C_i; RoPE(q^R_i)];
-    o_i = sum_j softmax_j((q^C_i . k^C_ij + q^R_i . k^R_j) / sqrt(d_h + d_R)) v_ij; out = W_O [o_1; ...; o_H]."""
+    o_i = sum_j softmax_j((q^C_i . k^C_ij + q^R_i . k^R_j) / sqrt(d_h + d_R)) v_ij;
+    out = W_O [o_1; ...; o_H]."""
     B, T, _ = x.shape
     H, dh, dR, dc = attn.n_head, attn.dh, attn.dR, attn.dc
     scale = 1 / math.sqrt(dh + dR) if scale is None else scale
@@ -155,12 +167,13 @@ def mla_ref(attn, x, base, scale=None, rotate_keys=True):
     q = q.view(B, T, H, dh + dR)                                    # per head [nope | rope]
     q_c, q_r = q[..., :dh], rope_ref(q[..., dh:].transpose(1, 2), pos, base).transpose(1, 2)
     c, k_r = linear(x, attn.kv_down).split([dc, dR], -1)            # W_DKV h, W_KR h
-    c, k_r = rms_norm(c, attn.kv_norm), rope_ref(k_r, pos, base) if rotate_keys else k_r  # (B, T, dc), (B, T, dR)
+    c = rms_norm(c, attn.kv_norm)                                   # (B, T, dc)
+    k_r = rope_ref(k_r, pos, base) if rotate_keys else k_r          # (B, T, dR)
     W_UK, W_UV = attn.k_up.weight.view(H, dh, dc), attn.v_up.weight.view(H, dh, dc)
     out = torch.zeros(B, T, H, dh, dtype=x.dtype)
     for b in range(B):
         for i in range(H):
-            k_c, v = c[b] @ W_UK[i].T, c[b] @ W_UV[i].T              # (T, dh): K and V, materialized
+            k_c, v = c[b] @ W_UK[i].T, c[b] @ W_UV[i].T  # (T, dh): K and V, materialized
             scores = (q_c[b, :, i] @ k_c.T + q_r[b, :, i] @ k_r[b].T) * scale
             out[b, :, i] = causal_softmax_rows(scores) @ v
     return linear(out.reshape(B, T, H * dh), attn.c_proj)
@@ -182,7 +195,8 @@ def linear_attention_ref(attn, x, strict=False):
 
 
 def layer_paths(model, x):
-    """The first block's attention on x: the training path, and the cached path in SCHEDULE's pieces."""
+    """The first block's attention on x: the training path, and the cached path in SCHEDULE's
+    pieces."""
     attn = model.transformer.h[0].attn
     full = attn(x, model.rope(torch.arange(x.size(1))), 0)
     cache = attn.init_cache(x.size(0), model.config.block_size, x.dtype, x.device)
@@ -194,10 +208,12 @@ def layer_paths(model, x):
 
 
 def inputs(model, seed=0):
-    return torch.randn(2, T, model.config.n_embd, dtype=torch.float64, generator=torch.Generator().manual_seed(seed))
+    seeded = torch.Generator().manual_seed(seed)
+    return torch.randn(2, T, model.config.n_embd, dtype=torch.float64, generator=seeded)
 
 
-@pytest.mark.parametrize('attn_name,kw', [('mha', {}), ('gqa', {}), ('mqa', {}), ('gqa', dict(n_head=8, n_kv_head=2)),
+@pytest.mark.parametrize('attn_name,kw', [('mha', {}), ('gqa', {}), ('mqa', {}),
+                                          ('gqa', dict(n_head=8, n_kv_head=2)),
                                           ('gqa', dict(bias=True, rope_base=500.0))])
 def test_softmax_layouts_equal_the_reference(attn_name, kw):
     model = make_model(attn_name, **kw)
@@ -206,37 +222,49 @@ def test_softmax_layouts_equal_the_reference(attn_name, kw):
     ref = softmax_attention_ref(attn, x, model.config.rope_base)
     torch.testing.assert_close(full, ref, atol=ATOL, rtol=0)
     torch.testing.assert_close(cached, ref, atol=ATOL, rtol=0)
-    if attn.n_kv_head not in (1, attn.n_head):  # negative control: interleaved groups (h % n_kv_head) differ
-        bad = softmax_attention_ref(attn, x, model.config.rope_base, group=lambda h, H, H_kv: h % H_kv)
+    # negative control: interleaved groups (h % n_kv_head) differ
+    if attn.n_kv_head not in (1, attn.n_head):
+        interleaved = lambda h, H, H_kv: h % H_kv
+        bad = softmax_attention_ref(attn, x, model.config.rope_base, group=interleaved)
         assert not torch.allclose(bad, ref, atol=1e-3)
 
 
-@pytest.mark.parametrize('kw', [{}, dict(q_lora_rank=12), dict(bias=True, rope_base=500.0, rope_head_dim=6)])
+@pytest.mark.parametrize('kw', [{}, dict(q_lora_rank=12),
+                                dict(bias=True, rope_base=500.0, rope_head_dim=6)])
 def test_mla_equals_the_deepseek_equations(kw):
     model = make_model('mla', **kw)
     x = inputs(model, seed=1)
     attn, full, cached = layer_paths(model, x)
     ref = mla_ref(attn, x, model.config.rope_base)
     torch.testing.assert_close(full, ref, atol=ATOL, rtol=0)
-    torch.testing.assert_close(cached, ref, atol=ATOL, rtol=0)  # absorbed decode, K and V never formed
+    # absorbed decode, K and V never formed
+    torch.testing.assert_close(cached, ref, atol=ATOL, rtol=0)
     # negative controls: the scale of the nope head dim alone, and rope keys left unrotated, differ
-    assert not torch.allclose(mla_ref(attn, x, model.config.rope_base, scale=1 / math.sqrt(attn.dh)), ref, atol=1e-3)
-    assert not torch.allclose(mla_ref(attn, x, model.config.rope_base, rotate_keys=False), ref, atol=1e-3)
+    base = model.config.rope_base
+    assert not torch.allclose(mla_ref(attn, x, base, scale=1 / math.sqrt(attn.dh)), ref, atol=1e-3)
+    assert not torch.allclose(mla_ref(attn, x, base, rotate_keys=False), ref, atol=1e-3)
 
 
 def delta_family_ref(attn, x, layout, erase=True, forget=True, gamma_sign=1.0, flip=False):
-    """The state-update papers, token by token, in their orientation (S is d_v x d_k, o_t = S_t q_t):
+    """The state-update papers, token by token, in their orientation (S is d_v x d_k,
+    o_t = S_t q_t):
     RetNet (Sun et al. 2023)       S_t = γ_h S_{t-1} + v_t k_tᵀ,  γ_h = 1 - 2^(-5-h);
-    Mamba-2 (Dao & Gu 2024)        S_t = α_t S_{t-1} + v_t k_tᵀ,  α_t = exp(-exp(A_log) softplus(W_a x_t + dt_bias));
-    DeltaNet (Yang et al. 2024)    S_t = S_{t-1} (I - β_t k_t k_tᵀ) + β_t v_t k_tᵀ,  β_t = σ(W_β x_t);
+    Mamba-2 (Dao & Gu 2024)        S_t = α_t S_{t-1} + v_t k_tᵀ,
+                                   α_t = exp(-exp(A_log) softplus(W_a x_t + dt_bias));
+    DeltaNet (Yang et al. 2024)    S_t = S_{t-1} (I - β_t k_t k_tᵀ) + β_t v_t k_tᵀ,
+                                   β_t = σ(W_β x_t);
     Gated DeltaNet (Yang et al.)   S_t = α_t S_{t-1} (I - β_t k_t k_tᵀ) + β_t v_t k_tᵀ;
-    with Gated DeltaNet's layer around it: a causal depthwise conv of width K, c_t = Σ_j w_j ⊙ (W x)_{t-K+1+j}
-    (zeros before the first token), then q, k = L2norm(SiLU(c)) (x / sqrt(|x|² + 1e-6)), q / sqrt(d_k), v = SiLU(c), o = RMSNorm(o) * SiLU(W_g x)."""
+    with Gated DeltaNet's layer around it: a causal depthwise conv of width K,
+    c_t = Σ_j w_j ⊙ (W x)_{t-K+1+j} (zeros before the first token), then
+    q, k = L2norm(SiLU(c)) (x / sqrt(|x|² + 1e-6)), q / sqrt(d_k), v = SiLU(c),
+    o = RMSNorm(o) * SiLU(W_g x)."""
     B, T, C = x.shape
     H, d = attn.n_head, attn.head_dim
     silu = lambda t: t * torch.sigmoid(t)
-    unit = lambda t: t / (t.norm(dim=-1, keepdim=True) ** 2 + 1e-6).sqrt()  # L2 norm with the eps of Qwen3-Next's code
-    qkv, gate, *knobs = linear(x, attn.c_attn).split([3 * C, C, H, H][:len(attn.parts)], -1)  # W_a x, W_β x
+    # L2 norm with the eps of Qwen3-Next's code
+    unit = lambda t: t / (t.norm(dim=-1, keepdim=True) ** 2 + 1e-6).sqrt()
+    # knobs: W_a x, W_β x
+    qkv, gate, *knobs = linear(x, attn.c_attn).split([3 * C, C, H, H][:len(attn.parts)], -1)
     w = attn.conv.flip(0) if flip else attn.conv  # (K, 3C)
     K = w.size(0)
     conv = torch.zeros_like(qkv)
@@ -253,13 +281,16 @@ def delta_family_ref(attn, x, layout, erase=True, forget=True, gamma_sign=1.0, f
         alpha = torch.exp(-attn.A_log.exp() * F.softplus(knobs[0] + attn.dt_bias))
     delta = layout in ('deltanet', 'gated_deltanet')
     beta = torch.sigmoid(knobs[-1]) if delta else torch.ones(B, T, H, dtype=x.dtype)
-    S, eye, out = torch.zeros(B, H, d, d, dtype=x.dtype), torch.eye(d, dtype=x.dtype), torch.zeros(B, T, H, d, dtype=x.dtype)
+    S, eye = torch.zeros(B, H, d, d, dtype=x.dtype), torch.eye(d, dtype=x.dtype)
+    out = torch.zeros(B, T, H, d, dtype=x.dtype)
     for t in range(T):
         kt, vt, a, b = k[:, t], v[:, t], alpha[:, t, :, None, None], beta[:, t, :, None, None]
-        kkT, vkT = kt[..., :, None] * kt[..., None, :], vt[..., :, None] * kt[..., None, :]  # (B, H, d, d)
+        # (B, H, d, d)
+        kkT, vkT = kt[..., :, None] * kt[..., None, :], vt[..., :, None] * kt[..., None, :]
         S = a * S @ (eye - b * kkT) + b * vkT if delta and erase else a * S + b * vkT
         out[:, t] = (S @ q[:, t, :, :, None]).squeeze(-1)
-    return linear((rms_norm(out, attn.o_norm) * silu(gate).view(B, T, H, d)).reshape(B, T, C), attn.c_proj)
+    gated = rms_norm(out, attn.o_norm) * silu(gate).view(B, T, H, d)
+    return linear(gated.reshape(B, T, C), attn.c_proj)
 
 
 @pytest.mark.parametrize('kw', [{}, dict(bias=True, chunk_size=5)])
@@ -270,14 +301,16 @@ def test_linear_attention_equals_katharopoulos(kw):
     ref = linear_attention_ref(attn, x)
     rel = lambda a: ((a - ref)[:, 1:].norm() / ref[:, 1:].norm()).item()
     assert rel(full) < 1e-6 and rel(cached) < 1e-6  # the model adds eps = 1e-6 to the denominator
-    assert rel(linear_attention_ref(attn, x, strict=True)) > 1e-3  # negative control: sums without step t
+    # negative control: sums without step t
+    assert rel(linear_attention_ref(attn, x, strict=True)) > 1e-3
 
 
 BROKEN = {  # per rule, copies of the paper with one thing wrong: each must differ from the model
-    'retnet': [dict(forget=False), dict(gamma_sign=-1.0)],  # no decay; γ_h for the heads in reverse order
+    # no decay; γ_h for the heads in reverse order
+    'retnet': [dict(forget=False), dict(gamma_sign=-1.0)],
     'mamba2': [dict(forget=False)],
-    'deltanet': [dict(erase=False), dict(flip=True)],       # β v kᵀ added, the old value on k never erased; the
-                                                            # conv's taps in reverse order
+    # β v kᵀ added, the old value on k never erased; the conv's taps in reverse order
+    'deltanet': [dict(erase=False), dict(flip=True)],
     'gated_deltanet': [dict(erase=False), dict(forget=False)],
 }
 
@@ -285,8 +318,9 @@ BROKEN = {  # per rule, copies of the paper with one thing wrong: each must diff
 @pytest.mark.parametrize('kw', [{}, dict(bias=True, chunk_size=5), dict(chunk_size=3, n_head=2)])
 @pytest.mark.parametrize('layout', list(BROKEN))
 def test_linear_rules_equal_their_papers(layout, kw):
-    """Training path (chunkwise, with the WY solve for the delta rules) and cached path (prefill, a chunk after it,
-    then the one-token recurrence) == the paper's per-token recurrence, in float64."""
+    """Training path (chunkwise, with the WY solve for the delta rules) and cached path (prefill, a
+    chunk after it, then the one-token recurrence) == the paper's per-token recurrence, in
+    float64."""
     model = make_model(layout, **kw)
     x = inputs(model, seed=3)
     attn, full, cached = layer_paths(model, x)

@@ -21,12 +21,16 @@ from model import GPT, GPTConfig
 
 
 def bench(*args):
-    r = subprocess.run([sys.executable, 'bench.py', *args], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    r = subprocess.run([sys.executable, 'bench.py', *args], cwd=ROOT,
+                       capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
-    assert args[0] == 'cache' or re.search(r"^\[ *\d+ s\] \S", r.stderr, re.M), r.stderr  # progress, never silent
-    out = next((a.split('=', 1)[1] for a in args if a.startswith('--out=')), 'out-bench')  # every plot: a file in --out,
-    links = re.findall(r"!\[[^]]*\]\(([^)]+)\)", r.stdout)  # linked relative to the report (it sits in --out too)
-    assert all(os.path.isfile(os.path.join(out, link)) and '/' not in link for link in links), r.stdout
+    # progress, never silent
+    assert args[0] == 'cache' or re.search(r"^\[ *\d+ s\] \S", r.stderr, re.M), r.stderr
+    # every plot: a file in --out, linked relative to the report (it sits in --out too)
+    out = next((a.split('=', 1)[1] for a in args if a.startswith('--out=')), 'out-bench')
+    links = re.findall(r"!\[[^]]*\]\(([^)]+)\)", r.stdout)
+    assert all(os.path.isfile(os.path.join(out, link)) and '/' not in link
+               for link in links), r.stdout
     assert MORE not in r.stdout  # the README's marker is for the file, not the terminal
     return r.stdout
 
@@ -40,54 +44,69 @@ NAMES = ['mha', 'gqa', 'mqa', 'mla', 'linear', 'gated_deltanet', 'hybrid']
 
 
 def test_decode_report_on_a_tiny_model(tmp_path):
-    out = bench('decode', '--n_layer=4', '--n_head=4', '--n_embd=16', '--contexts=8,32', '--gen_tokens=12',
-                '--batch=3', '--t=40', f'--out={tmp_path}', f'--layouts={",".join(NAMES)}')
+    out = bench('decode', '--n_layer=4', '--n_head=4', '--n_embd=16', '--contexts=8,32',
+                '--gen_tokens=12', '--batch=3', '--t=40', f'--out={tmp_path}',
+                f'--layouts={",".join(NAMES)}')
     assert out.startswith(saved(tmp_path / 'decode.md'))
-    assert (tmp_path / 'decode.png').stat().st_size > 10_000 and (tmp_path / 'roofline.png').stat().st_size > 10_000
+    assert (tmp_path / 'decode.png').stat().st_size > 10_000
+    assert (tmp_path / 'roofline.png').stat().st_size > 10_000
     roof = re.findall(r"\| (\w+) \| ([\d.,e+]+) MB \| ([\d.e+-]+) \| ([\d.e+-]+) \| ([\d.e+-]+) \| "
                       r"(bytes|FLOPs) \| ([\d.e+-]+) \| \*\*([\d.e+-]+)%\*\* \|", out)
     assert [r[0] for r in roof] == NAMES
-    for attn, mb, gflop, bytes_ms, flop_ms, binds, ms, pct in roof:  # bytes read = every weight + the filled cache
-        cfg = GPTConfig(attn=LAYOUTS[attn], n_layer=4, n_head=4, n_embd=16, block_size=41, kv_lora_rank=16,
-                        rope_head_dim=2)
-        weights = sum(p.numel() for p in GPT(cfg).parameters()) * 4  # MLA at d_c = 4 head_dim, d_R = head_dim / 2
-        assert float(mb) == pytest.approx((weights + 3 * cfg.cache_bytes(41)) / 1e6, rel=5e-3)  # t + 1 keys
-        assert float(gflop) > 0 and binds == ('bytes' if float(bytes_ms) >= float(flop_ms) else 'FLOPs')
-        assert float(pct) == pytest.approx(100 * max(float(bytes_ms), float(flop_ms)) / float(ms), rel=0.02)  # 3 digits
+    # bytes read = every weight + the filled cache
+    for attn, mb, gflop, bytes_ms, flop_ms, binds, ms, pct in roof:
+        cfg = GPTConfig(attn=LAYOUTS[attn], n_layer=4, n_head=4, n_embd=16, block_size=41,
+                        kv_lora_rank=16, rope_head_dim=2)
+        # MLA at d_c = 4 head_dim, d_R = head_dim / 2
+        weights = sum(p.numel() for p in GPT(cfg).parameters()) * 4
+        # t + 1 keys
+        assert float(mb) == pytest.approx((weights + 3 * cfg.cache_bytes(41)) / 1e6, rel=5e-3)
+        assert float(gflop) > 0
+        assert binds == ('bytes' if float(bytes_ms) >= float(flop_ms) else 'FLOPs')
+        floor_ms = max(float(bytes_ms), float(flop_ms))
+        # 3 digits
+        assert float(pct) == pytest.approx(100 * floor_ms / float(ms), rel=0.02)
     flops = {r[0]: float(r[2]) for r in roof}
-    assert flops['mla'] > flops['mha']  # absorbed MLA: per head, d_c + d_R per key for the score and d_c for the value
+    # absorbed MLA: per head, d_c + d_R per key for the score and d_c for the value
+    assert flops['mla'] > flops['mha']
     costs = re.findall(r"\| (\w+) \| ([\d.e-]+) / ([\d.,]+) \| ([\d.e-]+) / ([\d.,]+) \|", out)
     assert [c[0] for c in costs] == NAMES
     gen = re.findall(r"\| (\w+) \| (1|8) \| [\d.,]+ \| [\d.,]+ \| [\d.]+x \| yes \|", out)
-    assert len(gen) == 2 * len(NAMES)  # identical greedy tokens with and without the cache, batch 1 and 8
+    # identical greedy tokens with and without the cache, batch 1 and 8
+    assert len(gen) == 2 * len(NAMES)
     headline = readme_section('decode', (tmp_path / 'decode.md').read_text(), str(tmp_path))
-    assert '**Roofline' in headline and 'Decode cost vs context' not in headline and f'{tmp_path}/decode.md' in headline
+    assert '**Roofline' in headline and 'Decode cost vs context' not in headline
+    assert f'{tmp_path}/decode.md' in headline
 
 
 def test_take_turns_shuffles_the_order():
-    """Every measurement takes turns: each fn once a round, in an order that changes (so neighbours change too)."""
+    """Every measurement takes turns: each fn once a round, in an order that changes (so neighbours
+    change too)."""
     calls = []
     times = take_turns({k: lambda k=k: calls.append(k) for k in 'abcdef'}, 'cpu', rounds=5)
     rounds = [''.join(calls[i:i + 6]) for i in range(0, 30, 6)]
     assert all(sorted(r) == list('abcdef') for r in rounds) and len(set(rounds)) == 5
-    assert len({r[r.index('a') - 1] for r in rounds if r[0] != 'a'}) > 1  # what runs just before 'a' changes
-    assert {k: len(v) for k, v in times.items()} == dict.fromkeys('abcdef', 5) and min(min(times.values())) >= 0
+    # what runs just before 'a' changes
+    assert len({r[r.index('a') - 1] for r in rounds if r[0] != 'a'}) > 1
+    assert {k: len(v) for k, v in times.items()} == dict.fromkeys('abcdef', 5)
+    assert min(min(times.values())) >= 0
 
 
 def test_roofline_times_a_compiled_step():
-    """The compiled column is a real torch.compile(fullgraph=True) of the step over a static cache (a graph break
-    would raise)."""
-    runs, bandwidth, rate = decode.roofline(['mqa'], dict(n_layer=1, n_head=4, n_embd=16), 2, [16], 'cpu',
-                                            torch.float32, compile=True, rounds=2)
+    """The compiled column is a real torch.compile(fullgraph=True) of the step over a static cache
+    (a graph break would raise)."""
+    runs, bandwidth, rate = decode.roofline(['mqa'], dict(n_layer=1, n_head=4, n_embd=16), 2, [16],
+                                            'cpu', torch.float32, compile=True, rounds=2)
     assert set(runs['mqa', 16]['ms']) == {'eager', 'compiled'}
     assert all(v > 0 for v in runs['mqa', 16]['ms'].values())
     assert bandwidth > 1e8 and rate > 1e8
 
 
 def test_a_long_prefill_says_where_it_is(capsys):
-    """Prefilling a long context (hours at 2^20 tokens on a CPU) prints a progress line every 64 chunks."""
-    decode.roofline(['linear'], dict(n_layer=1, n_head=2, n_embd=8), 1, [130], 'cpu', torch.float32, rounds=1,
-                    chunk=1)
+    """Prefilling a long context (hours at 2^20 tokens on a CPU) prints a progress line every 64
+    chunks."""
+    decode.roofline(['linear'], dict(n_layer=1, n_head=2, n_embd=8), 1, [130], 'cpu', torch.float32,
+                    rounds=1, chunk=1)
     said = [line.split('] ', 1)[1] for line in capsys.readouterr().err.splitlines()]
     assert said == ['decode steps at batch 1: linear', 'linear, eager: prefilled 64 of 130 tokens',
                     'linear, eager: prefilled 128 of 130 tokens']
@@ -95,18 +114,20 @@ def test_a_long_prefill_says_where_it_is(capsys):
 
 @pytest.mark.slow
 def test_generation_compiled_over_a_static_cache_gives_the_same_tokens():
-    table = decode.generation(['gqa', 'linear'], dict(n_layer=1, n_head=4, n_embd=16), 'cpu', torch.float32,
-                              compile=True, new=40, batches=(1, 2))
+    table = decode.generation(['gqa', 'linear'], dict(n_layer=1, n_head=4, n_embd=16), 'cpu',
+                              torch.float32, compile=True, new=40, batches=(1, 2))
     assert 'tokens/s, cache, compiled' in table
-    assert 'identical tokens, cache | identical tokens, cache, compiled' in table  # each way against no cache
-    assert len(re.findall(r"\| (gqa|linear) \| (1|2) \| [\d.,]+ \| [\d.,]+ \| [\d.,]+ \| [\d.]+x \| yes \| yes \|",
-                          table)) == 4
+    # each way against no cache
+    assert 'identical tokens, cache | identical tokens, cache, compiled' in table
+    assert len(re.findall(r"\| (gqa|linear) \| (1|2) \| [\d.,]+ \| [\d.,]+ \| [\d.,]+ \| [\d.]+x "
+                          r"\| yes \| yes \|", table)) == 4
 
 
 def test_cache_report(tmp_path):
     out = bench('cache', '--layouts=mha,mqa', f'--out={tmp_path}')
     assert out.startswith(saved(tmp_path / 'cache.md'))
-    per_token = dict(re.findall(r"^\| (mha|mqa) \| \d+ \| ([\d,]+) \|", out, re.M))  # 2 * n_layer * h_kv * d_k
+    # 2 * n_layer * h_kv * d_k
+    per_token = dict(re.findall(r"^\| (mha|mqa) \| \d+ \| ([\d,]+) \|", out, re.M))
     assert per_token == {'mha': f"{2 * 6 * 6 * 64:,}", 'mqa': f"{2 * 6 * 1 * 64:,}"}
     ratios = re.findall(r"^\| (mha|gqa|mqa|mla|linear) \| .* \| ([\d.]+) \|$", out, re.M)
     assert ratios == [('mha', '1.000'), ('mqa', '1.000')]  # measured / formula
@@ -116,14 +137,16 @@ def test_train_report_on_a_tiny_model(tmp_path, char_data):
     out = bench('train', '--layouts=mha,linear', '--max_iters=4', f'--out={tmp_path}', '--',
                 '--n_layer=1', '--n_embd=32', '--eval_iters=2', f'--data_dir={char_data}')
     assert (tmp_path / 'train_val_loss.png').stat().st_size > 10_000
-    rows = re.findall(r"\| (mha|linear) \| [\d.]+M \| [\d,]+ \| [\d.]+ \| ([\d.]+) \| ([\d.]+) \((\d+)\) \| [\d.]+ \| "
-                      r"[\d,]+ \|", out)
+    rows = re.findall(r"\| (mha|linear) \| [\d.]+M \| [\d,]+ \| [\d.]+ \| ([\d.]+) \| ([\d.]+) "
+                      r"\((\d+)\) \| [\d.]+ \| [\d,]+ \|", out)
     assert [r[0] for r in rows] == ['mha', 'linear']
-    for attn, final, best, at in rows:  # final val, best val and its iteration, from the run's own log
-        evals = [json.loads(line) for line in open(tmp_path / 'train' / attn / 'metrics.jsonl') if 'val/loss' in line]
+    # final val, best val and its iteration, from the run's own log
+    for attn, final, best, at in rows:
+        evals = [json.loads(line) for line in open(tmp_path / 'train' / attn / 'metrics.jsonl')
+                 if 'val/loss' in line]
         low = min(evals, key=lambda r: r['val/loss'])
-        assert (float(final), float(best), int(at)) == (round(evals[-1]['val/loss'], 4), round(low['val/loss'], 4),
-                                                       low['iter'])
+        assert (float(final), float(best), int(at)) == (round(evals[-1]['val/loss'], 4),
+                                                       round(low['val/loss'], 4), low['iter'])
     assert os.path.isfile(tmp_path / 'train' / 'mha' / 'metrics.jsonl')
 
 
@@ -132,20 +155,27 @@ def test_convert_experiment_on_a_tiny_model(tmp_path, char_data):
     out = bench('convert', '--max_iters=4', '--fractions=0,0.5', f'--out={tmp_path}', '--',
                 '--n_layer=1', '--n_embd=32', '--eval_iters=2', f'--data_dir={char_data}')
     headline, every = out.split('**Every run**')
-    assert out.startswith('`python bench.py convert --max_iters=4 --lr=0.001 --fractions=0,0.5 -- --n_layer=1 ')
-    assert 'no uptraining' in headline and 'uptrained 50.0%' in headline  # the summary: 5%, or the nearest run
-    assert re.search(r"^Share of the gap .* that 50% uptraining closes: GQA, 2 K/V heads (\d+%|: no gap), MQA", headline,
-                     re.M), headline
-    rows = re.findall(r"\| (MHA|GQA, 2 K/V heads|MQA) \| ([^|]+) \| ([\d +]+) \| ([\d.]+)M \| ([\d,]+) \| ([\d.]+) \| ", every)
+    assert out.startswith('`python bench.py convert --max_iters=4 --lr=0.001 --fractions=0,0.5 '
+                          '-- --n_layer=1 ')
+    # the summary: 5%, or the nearest run
+    assert 'no uptraining' in headline and 'uptrained 50.0%' in headline
+    assert re.search(r"^Share of the gap .* that 50% uptraining closes: "
+                     r"GQA, 2 K/V heads (\d+%|: no gap), MQA", headline, re.M), headline
+    rows = re.findall(r"\| (MHA|GQA, 2 K/V heads|MQA) \| ([^|]+) \| ([\d +]+) \| ([\d.]+)M "
+                      r"\| ([\d,]+) \| ([\d.]+) \| ", every)
     assert [(r[0], r[1], r[2]) for r in rows] == [
         ('MHA', 'trained from scratch', '4'),
-        ('GQA, 2 K/V heads', 'trained from scratch', '4'), ('GQA, 2 K/V heads', 'MHA mean-pooled, no uptraining', '4 + 0'),
+        ('GQA, 2 K/V heads', 'trained from scratch', '4'),
+        ('GQA, 2 K/V heads', 'MHA mean-pooled, no uptraining', '4 + 0'),
         ('GQA, 2 K/V heads', 'MHA mean-pooled, uptrained 50.0%', '4 + 2'),
-        ('MQA', 'trained from scratch', '4'), ('MQA', 'MHA mean-pooled, no uptraining', '4 + 0'),
+        ('MQA', 'trained from scratch', '4'),
+        ('MQA', 'MHA mean-pooled, no uptraining', '4 + 0'),
         ('MQA', 'MHA mean-pooled, uptrained 50.0%', '4 + 2')]
     cache = [int(r[4].replace(',', '')) for r in rows]
-    assert cache[0] == 2 * cache[1] == 4 * cache[4] and len(set(cache[1:4])) == len(set(cache[4:])) == 1
-    assert rows[1][3] == rows[2][3] and rows[4][3] == rows[5][3]  # from scratch in the converted models' shape
+    assert (cache[0] == 2 * cache[1] == 4 * cache[4]
+            and len(set(cache[1:4])) == len(set(cache[4:])) == 1)
+    # from scratch in the converted models' shape
+    assert rows[1][3] == rows[2][3] and rows[4][3] == rows[5][3]
     assert rows[2][5] != rows[0][5]  # pooling 4 heads into 2 changes the model
 
     def evals(name):
@@ -160,78 +190,110 @@ def test_convert_experiment_on_a_tiny_model(tmp_path, char_data):
 def test_bad_arguments_are_one_line(tmp_path, capsys, monkeypatch):
     (tmp_path / 'a-file').write_text('results go in a folder')
     (tmp_path / 'md' / 'mqar.md').mkdir(parents=True)  # a folder where the report goes
-    (tmp_path / 'fake.py').write_text('class GPTConfig: pass')  # runs, but is not nanoGPT's model.py
+    # runs, but is not nanoGPT's model.py
+    (tmp_path / 'fake.py').write_text('class GPTConfig: pass')
     (tmp_path / 'quits.py').write_text('import sys; sys.exit(0)')
-    for args, msg in ((['decode', f'--out={tmp_path / "a-file"}'], "File exists; give a folder to write the results in"),
-                      (['train', f'--out={tmp_path / "a-file" / "sub"}'], "Not a directory; give a folder"),
-                      (['mqar', f'--out={tmp_path / "a-file"}'], "File exists; give a folder"),
-                      (['mqar', f'--out={tmp_path / "md"}'], "mqar.md is a folder, where the report goes"),  # found before any run
-                      (['mqar', '--conv_size=17', '--sets=16:4'], "GPTConfig.conv_size=17 is invalid: must be <= block"),
-                      (['mqar', '--lrs=1e-3,2'], "--lrs: '1e-3,2': give numbers in (0, 1]"),
-                      (['mqar', '--vocab=100000'], "--vocab: '100000': give an integer from 4 to 65,536"),
-                      (['mqar', '--vocab=8', '--sets=64:4'], "holds at most 3 distinct keys"),
-                      (['decode', '--contexts=8,x'], "--contexts: '8,x': give integers from 1 to 1,048,576"),
-                      (['train', '--max_iters=0'], "--max_iters: '0': give an integer >= 1"),
-                      (['train', '--device=cuda'], "device='cuda' but CUDA is not available here"),
-                      (['decode', '--device=tpu'], "device='tpu' should be cpu, cuda or cuda:N"),
-                      (['convert', '--fractions=0,x'], "--fractions: '0,x': give numbers in [0, 1]"),
-                      (['convert', '--lr=0'], "--lr: '0': give a number > 0"),
-                      (['convert', '--max_iters=0'], "--max_iters: '0': give an integer >= 1"),
-                      (['convert', '--lr=nan', f'--out={tmp_path / "new"}'], "--lr: 'nan': give a number > 0"),
-                      (['convert', '--fractions=0,inf', f'--out={tmp_path / "new"}'], "give numbers in [0, 1]"),
-                      (['train', f'--nanogpt={tmp_path / "none.py"}'], "none.py: not nanoGPT's model.py? FileNotFound"),
-                      (['train', f'--nanogpt={tmp_path / "fake.py"}'], "fake.py: not nanoGPT's model.py? KeyError: 'GPT'"),
-                      (['decode', '--layouts=mha,flash'], "--layouts: 'mha,flash': choose from mha,gqa,mqa,mla,linear"),
-                      (['decode', '--n_head=5'], "GPTConfig.n_embd=384 is invalid: must be divisible by n_head=5"),
-                      (['flash'], "argument mode: invalid choice: 'flash'"),
-                      (['decode', '--gen_tokens=241'], "--gen_tokens: '241': give 1 to 240"),
-                      (['cache', 'foo'], "unrecognized arguments: foo"),
-                      (['train', '--n_layer=1'], "unrecognized arguments: --n_layer=1 (train.py's keys go after --"),
-                      (['decode', '--', '--n_layer=1'], "unrecognized arguments: -- --n_layer=1"),
-                      (['decode', '--n_layer=2'], "more than n_layer=2 (that is config/hybrid.py's 'hybrid': leave it "
-                                                  "out with --layouts)"),
-                      (['convert', '--nanogpt=bench.py'], "unrecognized arguments: --nanogpt=bench.py"),
-                      (['convert', '--layouts=mha'], "unrecognized arguments: --layouts=mha"),
-                      (['train', '--', '--out_dir=x'], "--out_dir=x: bench.py sets that itself"),
-                      (['train', '--', '--attn=linear'], "--attn=linear: bench.py sets that itself"),
-                      (['convert', '--', '--learning_rate=1'], "--learning_rate=1: bench.py sets that itself"),
-                      (['convert', '--device=cuda'], "unrecognized arguments: --device=cuda"), ([], "the following arguments are required: mode"),
-                      (['decode', '--batch=0'], "--batch: '0': give an integer >= 1"),
-                      (['decode', '--t=1048576'], "--t=1048576, --batch=16, --contexts, the sizes: weights and caches need"),
-                      (['decode', '--layouts=linear', '--t=100000000'], "--t: '100000000': give an integer from 1 to 1,048,576"),
-                      (['decode', '--contexts=1048576', '--n_layer=100'], "weights and caches need at least"),
-                      (['decode', '--contexts=8,99999999999'], "give integers from 1 to 1,048,576"),
-                      (['decode', '--layouts=mla', '--contexts=100000'], "weights and caches need at least"),  # scores
-                      (['decode', '--layouts=linear', '--t=1048576', '--batch=100000'], "weights and caches need"),  # token ids
-                      (['train', '--', 'config/mqa.py'], "config/mqa.py: not a --key=value (the extras are train.py's"),
-                      (['train', '--', '--batch_size', '12'], "12: not a --key=value"),
-                      (['decode', '--n_head=5', '--n_embd=40'], "GPTConfig.n_head=5 is invalid: attn='gqa' with n_head=5"),
-                      (['train', '--', '--eval_only=True'], "--eval_only=True: bench.py sets that itself"),
-                      (['train', '--nanogpt=README.md'], "README.md: not nanoGPT's model.py? SyntaxError"),
-                      (['train', f'--nanogpt={tmp_path / "quits.py"}'], "quits.py: not nanoGPT's model.py? SystemExit"),
-                      (['train', '--nanogpt='], "--nanogpt=: not nanoGPT's model.py?"),
-                      (['cache', '--out='], "--out='': give a folder to write the results in"),
-                      (['decode', '--n_layer=1000000000'], "weights and caches need at least"),  # counted at once
-                      (['cache', '--readme', f'--out={tmp_path}'], "with --readme: the README links to results/")):
-        with pytest.raises(SystemExit) as e:  # in process: main() checks every argument before any work
+    for args, msg in (
+        (['decode', f'--out={tmp_path / "a-file"}'],
+         "File exists; give a folder to write the results in"),
+        (['train', f'--out={tmp_path / "a-file" / "sub"}'], "Not a directory; give a folder"),
+        (['mqar', f'--out={tmp_path / "a-file"}'], "File exists; give a folder"),
+        # found before any run
+        (['mqar', f'--out={tmp_path / "md"}'], "mqar.md is a folder, where the report goes"),
+        (['mqar', '--conv_size=17', '--sets=16:4'],
+         "GPTConfig.conv_size=17 is invalid: must be <= block"),
+        (['mqar', '--lrs=1e-3,2'], "--lrs: '1e-3,2': give numbers in (0, 1]"),
+        (['mqar', '--vocab=100000'], "--vocab: '100000': give an integer from 4 to 65,536"),
+        (['mqar', '--vocab=8', '--sets=64:4'], "holds at most 3 distinct keys"),
+        (['decode', '--contexts=8,x'], "--contexts: '8,x': give integers from 1 to 1,048,576"),
+        (['train', '--max_iters=0'], "--max_iters: '0': give an integer >= 1"),
+        (['train', '--device=cuda'], "device='cuda' but CUDA is not available here"),
+        (['decode', '--device=tpu'], "device='tpu' should be cpu, cuda or cuda:N"),
+        (['convert', '--fractions=0,x'], "--fractions: '0,x': give numbers in [0, 1]"),
+        (['convert', '--lr=0'], "--lr: '0': give a number > 0"),
+        (['convert', '--max_iters=0'], "--max_iters: '0': give an integer >= 1"),
+        (['convert', '--lr=nan', f'--out={tmp_path / "new"}'], "--lr: 'nan': give a number > 0"),
+        (['convert', '--fractions=0,inf', f'--out={tmp_path / "new"}'], "give numbers in [0, 1]"),
+        (['train', f'--nanogpt={tmp_path / "none.py"}'],
+         "none.py: not nanoGPT's model.py? FileNotFound"),
+        (['train', f'--nanogpt={tmp_path / "fake.py"}'],
+         "fake.py: not nanoGPT's model.py? KeyError: 'GPT'"),
+        (['decode', '--layouts=mha,flash'],
+         "--layouts: 'mha,flash': choose from mha,gqa,mqa,mla,linear"),
+        (['decode', '--n_head=5'],
+         "GPTConfig.n_embd=384 is invalid: must be divisible by n_head=5"),
+        (['flash'], "argument mode: invalid choice: 'flash'"),
+        (['decode', '--gen_tokens=241'], "--gen_tokens: '241': give 1 to 240"),
+        (['cache', 'foo'], "unrecognized arguments: foo"),
+        (['train', '--n_layer=1'],
+         "unrecognized arguments: --n_layer=1 (train.py's keys go after --"),
+        (['decode', '--', '--n_layer=1'], "unrecognized arguments: -- --n_layer=1"),
+        (['decode', '--n_layer=2'],
+         "more than n_layer=2 (that is config/hybrid.py's 'hybrid': leave it "
+         "out with --layouts)"),
+        (['convert', '--nanogpt=bench.py'], "unrecognized arguments: --nanogpt=bench.py"),
+        (['convert', '--layouts=mha'], "unrecognized arguments: --layouts=mha"),
+        (['train', '--', '--out_dir=x'], "--out_dir=x: bench.py sets that itself"),
+        (['train', '--', '--attn=linear'], "--attn=linear: bench.py sets that itself"),
+        (['convert', '--', '--learning_rate=1'], "--learning_rate=1: bench.py sets that itself"),
+        (['convert', '--device=cuda'], "unrecognized arguments: --device=cuda"),
+        ([], "the following arguments are required: mode"),
+        (['decode', '--batch=0'], "--batch: '0': give an integer >= 1"),
+        (['decode', '--t=1048576'],
+         "--t=1048576, --batch=16, --contexts, the sizes: weights and caches need"),
+        (['decode', '--layouts=linear', '--t=100000000'],
+         "--t: '100000000': give an integer from 1 to 1,048,576"),
+        (['decode', '--contexts=1048576', '--n_layer=100'], "weights and caches need at least"),
+        (['decode', '--contexts=8,99999999999'], "give integers from 1 to 1,048,576"),
+        # scores
+        (['decode', '--layouts=mla', '--contexts=100000'], "weights and caches need at least"),
+        # token ids
+        (['decode', '--layouts=linear', '--t=1048576', '--batch=100000'],
+         "weights and caches need"),
+        (['train', '--', 'config/mqa.py'],
+         "config/mqa.py: not a --key=value (the extras are train.py's"),
+        (['train', '--', '--batch_size', '12'], "12: not a --key=value"),
+        (['decode', '--n_head=5', '--n_embd=40'],
+         "GPTConfig.n_head=5 is invalid: attn='gqa' with n_head=5"),
+        (['train', '--', '--eval_only=True'], "--eval_only=True: bench.py sets that itself"),
+        (['train', '--nanogpt=README.md'], "README.md: not nanoGPT's model.py? SyntaxError"),
+        (['train', f'--nanogpt={tmp_path / "quits.py"}'],
+         "quits.py: not nanoGPT's model.py? SystemExit"),
+        (['train', '--nanogpt='], "--nanogpt=: not nanoGPT's model.py?"),
+        (['cache', '--out='], "--out='': give a folder to write the results in"),
+        # counted at once
+        (['decode', '--n_layer=1000000000'], "weights and caches need at least"),
+        (['cache', '--readme', f'--out={tmp_path}'], "with --readme: the README links to results/"),
+    ):
+        # in process: main() checks every argument before any work
+        with pytest.raises(SystemExit) as e:
             bench_main(args)
         err = capsys.readouterr().err
         assert e.value.code == 2 and msg in err and len(err.strip().splitlines()) == 1, err
     (tmp_path / 't' / 'train' / 'mha').mkdir(parents=True)
     (tmp_path / 't' / 'train' / 'mha' / 'ckpt.pt').write_text('an earlier run')
-    (tmp_path / 't' / 'train' / 'mha' / 'metrics.jsonl').write_text('{"iter": 0}\n')  # bench.py wrote it
-    with pytest.raises(SystemExit) as e:  # a model the extras break: one line before any run, exit 2
+    # bench.py wrote it
+    (tmp_path / 't' / 'train' / 'mha' / 'metrics.jsonl').write_text('{"iter": 0}\n')
+    # a model the extras break: one line before any run, exit 2
+    with pytest.raises(SystemExit) as e:
         bench_main(['train', '--layouts=mha', f'--out={tmp_path / "t"}', '--', '--n_layer=0'])
     err = capsys.readouterr().err.strip().splitlines()
-    assert e.value.code == 2 and re.fullmatch(r"error: layout mha with --n_layer=0: GPTConfig.n_layer=0 is invalid.*", err[-1])
-    assert (tmp_path / 't' / 'train' / 'mha' / 'ckpt.pt').read_text() == 'an earlier run'  # not lost to the failed run
-    if os.path.isdir('/proc/self'):  # a folder no one can write in, root included (os.access says yes to root)
+    assert e.value.code == 2 and re.fullmatch(r"error: layout mha with --n_layer=0: "
+                                              r"GPTConfig.n_layer=0 is invalid.*", err[-1])
+    # not lost to the failed run
+    assert (tmp_path / 't' / 'train' / 'mha' / 'ckpt.pt').read_text() == 'an earlier run'
+    # a folder no one can write in, root included (os.access says yes to root)
+    if os.path.isdir('/proc/self'):
         with pytest.raises(SystemExit) as e:
             bench_main(['cache', '--out=/proc/self'])
         assert e.value.code == 2 and "--out '/proc/self'" in capsys.readouterr().err
-    monkeypatch.chdir(tmp_path)  # no README.md to rewrite here, nor train.py to run: refused before any work
-    for args, msg in ((['cache', '--readme'], "no README.md here with a '<!-- cache-table -->'"),
-                      (['convert'], "convert runs train.py and config/ from here: run bench.py in its own folder")):
+    # no README.md to rewrite here, nor train.py to run: refused before any work
+    monkeypatch.chdir(tmp_path)
+    for args, msg in (
+        (['cache', '--readme'], "no README.md here with a '<!-- cache-table -->'"),
+        (['convert'],
+         "convert runs train.py and config/ from here: run bench.py in its own folder"),
+    ):
         with pytest.raises(SystemExit) as e:
             bench_main(args)
         assert e.value.code == 2 and msg in capsys.readouterr().err
@@ -240,53 +302,63 @@ def test_bad_arguments_are_one_line(tmp_path, capsys, monkeypatch):
 
 
 def test_a_failed_run_leaves_the_saved_plots_alone(tmp_path, monkeypatch):
-    """Plots are saved with the report, once it is all done: a run that fails after drawing them changes nothing."""
+    """Plots are saved with the report, once it is all done: a run that fails after drawing them
+    changes nothing."""
     (tmp_path / 'roofline.png').write_bytes(b'saved')
-    monkeypatch.setattr(decode, 'generation', lambda *a, **k: 1 / 0)  # fails after the roofline is drawn
+    # fails after the roofline is drawn
+    monkeypatch.setattr(decode, 'generation', lambda *a, **k: 1 / 0)
     with pytest.raises(ZeroDivisionError):
-        bench_main(['decode', '--n_layer=1', '--n_head=4', '--n_embd=16', '--contexts=8', '--batch=2', '--t=8',
-                    f'--out={tmp_path}', '--layouts=mha,linear'])
-    assert os.listdir(tmp_path) == ['roofline.png'] and (tmp_path / 'roofline.png').read_bytes() == b'saved'
+        bench_main(['decode', '--n_layer=1', '--n_head=4', '--n_embd=16', '--contexts=8',
+                    '--batch=2', '--t=8', f'--out={tmp_path}', '--layouts=mha,linear'])
+    assert os.listdir(tmp_path) == ['roofline.png']
+    assert (tmp_path / 'roofline.png').read_bytes() == b'saved'
 
 
 def test_results_only_with_readme(tmp_path, monkeypatch):
-    """A plain run writes to out-bench/ (never the committed results/ the README is checked against)."""
+    """A plain run writes to out-bench/ (never the committed results/ the README is checked
+    against)."""
     monkeypatch.chdir(tmp_path)
     bench_main(['cache', '--layouts=mqa'])
-    assert os.listdir(tmp_path) == ['out-bench'] and os.listdir(tmp_path / 'out-bench') == ['cache.md']
+    assert os.listdir(tmp_path) == ['out-bench']
+    assert os.listdir(tmp_path / 'out-bench') == ['cache.md']
 
 
 def test_no_profiler_lines_on_stderr():
-    """torch.profiler's 'USDT: ... profiler_start/stop' lines (kineto's log on fd 2: on a GPU inductor times
-    kernels with the profiler) are silenced by importing bench; other stderr lines pass."""
+    """torch.profiler's 'USDT: ... profiler_start/stop' lines (kineto's log on fd 2: on a GPU
+    inductor times kernels with the profiler) are silenced by importing bench; other stderr lines
+    pass."""
     code = ("import sys, torch{}\n"
             "with torch.profiler.profile():\n"
             "    torch.ones(3) @ torch.ones(3)\n"
             "print('after', file=sys.stderr)\n")
     env = {k: v for k, v in os.environ.items() if k != 'KINETO_LOG_LEVEL'}
-    quiet, plain = (subprocess.run([sys.executable, '-c', code.format(imp)], cwd=ROOT, capture_output=True, text=True,
-                                   timeout=120, env=env) for imp in (', bench', ''))
+    quiet, plain = (subprocess.run([sys.executable, '-c', code.format(imp)], cwd=ROOT,
+                                   capture_output=True, text=True, timeout=120, env=env)
+                    for imp in (', bench', ''))
     assert quiet.returncode == 0 and quiet.stderr == 'after\n', quiet.stderr
     assert 'USDT:' in plain.stderr  # (the lines this silences)
 
 
 def test_step_time_vs_nanogpt_times_the_given_model_file():
-    """--nanogpt loads GPT and GPTConfig from the file it is given (here our own model.py stands in for nanoGPT's)
-    and times its training step in turns with ours."""
-    text = train.step_time_vs_nanogpt(os.path.join(ROOT, 'model.py'), ['mha', 'deltanet'], rounds=3, steps=2)
+    """--nanogpt loads GPT and GPTConfig from the file it is given (here our own model.py stands in
+    for nanoGPT's) and times its training step in turns with ours."""
+    text = train.step_time_vs_nanogpt(os.path.join(ROOT, 'model.py'), ['mha', 'deltanet'],
+                                      rounds=3, steps=2)
     rows = re.findall(r"^\| (.+) \| ([\d.]+) \| ([\d.]+) \| ([\d.]+) \|$", text, re.M)
-    assert [r[0] for r in rows] == ['nanoGPT', "ours, mha, pos_emb='learned'", 'ours, mha, RoPE (default)', 'ours, deltanet']
+    assert [r[0] for r in rows] == ['nanoGPT', "ours, mha, pos_emb='learned'",
+                                    'ours, mha, RoPE (default)', 'ours, deltanet']
     assert all(float(ms) > 0 and float(a) > 0 and float(b) > 0 for _, ms, a, b in rows)
     assert rows[0][2] == rows[2][3] == '1.000'  # each against itself
     assert 'medians of 3 rounds x 2 steps' in text
-    q1, q3 = map(float, re.search(r"the middle half of the 3 rounds' ratios to our MHA: .*deltanet ([\d.]+)-([\d.]+)\.$",
-                                  text, re.M).groups())
+    q1, q3 = map(float, re.search(r"the middle half of the 3 rounds' ratios to our MHA: "
+                                  r".*deltanet ([\d.]+)-([\d.]+)\.$", text, re.M).groups())
     assert 0 < q1 <= q3  # the spread around rows[3]'s median
 
 
 def test_generation_agreement_tells_a_near_tie_from_a_difference():
-    """Where greedy runs with and without the cache part, agree() says 'a near-tie' only when the reference's top
-    two logits there are within tolerance; a token that was not among them is a real difference."""
+    """Where greedy runs with and without the cache part, agree() says 'a near-tie' only when the
+    reference's top two logits there are within tolerance; a token that was not among them is a real
+    difference."""
     torch.manual_seed(0)
     model = GPT(GPTConfig(n_layer=1, n_head=2, n_embd=16, vocab_size=8, block_size=16)).eval()
     idx, ref = torch.randint(0, 8, (2, 3)), torch.randint(0, 8, (2, 5))
@@ -303,60 +375,87 @@ def test_generation_agreement_tells_a_near_tie_from_a_difference():
 
 def test_mqar_report_on_a_tiny_run(tmp_path):
     (tmp_path / 'mqar').mkdir()
-    (tmp_path / 'mqar' / 'mqar.npz').write_text('a data set of the user')  # --out=data would hold data/mqar/mqar.npz
+    # --out=data would hold data/mqar/mqar.npz
+    (tmp_path / 'mqar' / 'mqar.npz').write_text('a data set of the user')
     tiny = ['--vocab=16', '--sets=12:2,16:4']
-    out = bench('mqar', '--layouts=mha,deltanet,hybrid', '--max_iters=3', '--lrs=3e-3,1e-3', *tiny, f'--out={tmp_path}')
-    assert out.startswith(saved(tmp_path / 'mqar.md')) and (tmp_path / 'mqar.png').stat().st_size > 10_000
+    out = bench('mqar', '--layouts=mha,deltanet,hybrid', '--max_iters=3', '--lrs=3e-3,1e-3', *tiny,
+                f'--out={tmp_path}')
+    assert out.startswith(saved(tmp_path / 'mqar.md'))
+    assert (tmp_path / 'mqar.png').stat().st_size > 10_000
     assert (tmp_path / 'mqar-state.png').stat().st_size > 10_000
-    assert (tmp_path / 'mqar' / 'mqar.npz').read_text() == 'a data set of the user'  # bench's own data: made, deleted
-    assert sorted(p.name for p in tmp_path.iterdir()) == ['mqar', 'mqar-state.png', 'mqar.md', 'mqar.png']
-    rows = re.findall(r"^\| (mha|deltanet|hybrid) \| (0.001|0.003) \| ([\d,]+) \| ([\d.]+)% \| ([\d.]+)% \| "
-                      r"(\S+/\S+/\S+); (\S+/\S+/\S+) \| (\S+) \|$", out, re.M)  # best lr, state, recall per set, steps per seed
-    assert [r[0] for r in rows] == ['mha', 'deltanet', 'hybrid'] and all(0 <= float(p) <= 100 for r in rows for p in r[3:5])
-    H, d_k, L = 4, 16, 16  # the state at the longest set, counted here: K and V per token, or a d_k x d_k matrix a head
-    assert [int(r[2].replace(',', '')) for r in rows] == [2 * 2 * H * d_k * L, 2 * H * d_k * d_k,  # (GQA: 2 K/V heads)
+    # bench's own data: made, deleted
+    assert (tmp_path / 'mqar' / 'mqar.npz').read_text() == 'a data set of the user'
+    assert sorted(p.name for p in tmp_path.iterdir()) == ['mqar', 'mqar-state.png', 'mqar.md',
+                                                          'mqar.png']
+    # best lr, state, recall per set, steps per seed
+    rows = re.findall(r"^\| (mha|deltanet|hybrid) \| (0.001|0.003) \| ([\d,]+) \| ([\d.]+)% "
+                      r"\| ([\d.]+)% \| (\S+/\S+/\S+); (\S+/\S+/\S+) \| (\S+) \|$", out, re.M)
+    assert [r[0] for r in rows] == ['mha', 'deltanet', 'hybrid']
+    assert all(0 <= float(p) <= 100 for r in rows for p in r[3:5])
+    # the state at the longest set, counted here: K and V per token, or a d_k x d_k matrix a head
+    H, d_k, L = 4, 16, 16
+    assert [int(r[2].replace(',', '')) for r in rows] == [2 * 2 * H * d_k * L,
+                                                          # (GQA: 2 K/V heads)
+                                                          2 * H * d_k * d_k,
                                                           H * d_k * d_k + 2 * 2 * d_k * L]
-    for name, lr, _, *recall, steps0, steps1, gained in rows:  # the best lr's row: its mean is the larger of the two
-        at = re.search(rf"^\| {name} \| ([\d.]+)% \(99% at (\S+); (\S+)\) \| ([\d.]+)% \(99% at .*\) \|$", out, re.M)
+    # the best lr's row: its mean is the larger of the two
+    for name, lr, _, *recall, steps0, steps1, gained in rows:
+        at = re.search(rf"^\| {name} \| ([\d.]+)% \(99% at (\S+); (\S+)\) "
+                       rf"\| ([\d.]+)% \(99% at .*\) \|$", out, re.M)
         means = float(at.group(1)), float(at.group(4))  # at lr 0.001, 0.003
-        assert abs(sum(float(p) for p in recall) / 2 - max(means)) < 0.1 and lr == ('0.001', '0.003')[means[1] > means[0]]
-        assert steps0 == steps1 == '—/—/—' and gained == '—'  # 3 steps: nothing crossed, one evaluation
+        assert abs(sum(float(p) for p in recall) / 2 - max(means)) < 0.1
+        assert lr == ('0.001', '0.003')[means[1] > means[0]]
+        # 3 steps: nothing crossed, one evaluation
+        assert steps0 == steps1 == '—/—/—' and gained == '—'
     assert '--lrs=0.001,0.003' in out and '--vocab=16 --sets=12:2,16:4' in out and 'L=16,N=4' in out
-    default = bench('mqar', '--layouts=mha,deltanet', '--max_iters=3', *tiny, f'--out={tmp_path / "default"}')
-    best = re.findall(r"^\| (mha|deltanet) \| (0.00\d+) \| [\d,]+ \| ([\d.]+)% \| ([\d.]+)% \|", default, re.M)
-    assert [b[:2] for b in best] == [(name, f"{mqar.MQAR_LR.get(name, 1e-3):g}") for name in ('mha', 'deltanet')]
-    for name, lr, *recall in best:  # the same runs as the sweep's at that lr: the same recall
+    default = bench('mqar', '--layouts=mha,deltanet', '--max_iters=3', *tiny,
+                    f'--out={tmp_path / "default"}')
+    best = re.findall(r"^\| (mha|deltanet) \| (0.00\d+) \| [\d,]+ \| ([\d.]+)% \| ([\d.]+)% \|",
+                      default, re.M)
+    assert [b[:2] for b in best] == [(name, f"{mqar.MQAR_LR.get(name, 1e-3):g}")
+                                     for name in ('mha', 'deltanet')]
+    # the same runs as the sweep's at that lr: the same recall
+    for name, lr, *recall in best:
         if lr in ('0.001', '0.003'):
-            swept = re.search(rf"^\| {name} \| ([\d.]+)% .* \| ([\d.]+)% .* \|$", out, re.M).groups()[lr == '0.003']
+            swept = re.search(rf"^\| {name} \| ([\d.]+)% .* \| ([\d.]+)% .* \|$", out,
+                              re.M).groups()[lr == '0.003']
             assert abs(sum(float(p) for p in recall) / 2 - float(swept)) < 0.1
-    assert default.startswith('`python bench.py mqar --max_iters=3 --vocab=16 --sets=12:2,16:4 --layouts=mha,deltanet` on ')
+    assert default.startswith('`python bench.py mqar --max_iters=3 --vocab=16 --sets=12:2,16:4 '
+                              '--layouts=mha,deltanet` on ')
 
 
 def test_mqar_run_stops_at_99_percent_and_records_its_crossings(tmp_path):
-    """The protocol on a tiny set: MHA learns the lookup in a few dozen steps, stops at its first evaluation past 99%
-    and says when it crossed 50/90/99%; a run that cannot learn (lr 1e-9) stops at max_iters with no crossing."""
+    """The protocol on a tiny set: MHA learns the lookup in a few dozen steps, stops at its first
+    evaluation past 99% and says when it crossed 50/90/99%; a run that cannot learn (lr 1e-9) stops
+    at max_iters with no crossing."""
     from data.mqar.prepare import prepare
     path = prepare(str(tmp_path), vocab=16, sets=((12, 2), (16, 4)), train=2000, val=100)
     r = mqar.mqar_run(path, 'mha', 1e-2, 0, 600, 32, 'cpu', 'tiny', eval_every=25)
-    assert r['steps'] < 600 and r['curve'][-1] == (r['steps'], pytest.approx(sum(r['recall'].values()) / 2))
-    assert min(r['recall'].values()) > 0.95 and r['crossed'][0.99] == r['steps']  # stopped where it crossed 99%
+    mean_recall = sum(r['recall'].values()) / 2
+    assert r['steps'] < 600 and r['curve'][-1] == (r['steps'], pytest.approx(mean_recall))
+    # stopped where it crossed 99%
+    assert min(r['recall'].values()) > 0.95 and r['crossed'][0.99] == r['steps']
     assert all(m < 0.99 for _, m in r['curve'][:-1]) and list(r['recall']) == [(12, 2), (16, 4)]
     first = lambda p: next(it for it, m in r['curve'] if m >= p)
     assert [r['crossed'][p] for p in (0.5, 0.9)] == [first(0.5), first(0.9)]
     stuck = mqar.mqar_run(path, 'mha', 1e-9, 0, 60, 32, 'cpu', 'stuck', eval_every=25)
     assert stuck['steps'] == 60 and [it for it, _ in stuck['curve']] == [25, 50, 60]
-    assert stuck['crossed'] == {0.5: None, 0.9: None, 0.99: None} and max(stuck['recall'].values()) < 0.2
+    assert stuck['crossed'] == {0.5: None, 0.9: None, 0.99: None}
+    assert max(stuck['recall'].values()) < 0.2
 
 
 def test_mqar_recall_counts_the_answers_only_and_the_pair_embedding_adds_key_and_value():
-    """Recall: argmax == target at the answers (y >= 0), nowhere else; a model that is right at every other answer
-    scores 50%. A position key * vocab + value is embedded as the tied wte's key row + value row."""
+    """Recall: argmax == target at the answers (y >= 0), nowhere else; a model that is right at
+    every other answer scores 50%. A position key * vocab + value is embedded as the tied wte's key
+    row + value row."""
     y = torch.full((4, 10), -1)
     y[:, [3, 5, 6, 9]] = torch.tensor([9, 10, 11, 12])
 
-    class HalfRight(torch.nn.Module):  # right at answers 3 and 6, wrong at 5 and 9 and everywhere else
+    # right at answers 3 and 6, wrong at 5 and 9 and everywhere else
+    class HalfRight(torch.nn.Module):
         def forward(self, x, targets):
-            right = torch.where(torch.isin(torch.arange(10), torch.tensor([3, 6])), targets.clamp(min=0), 0)
+            answers = torch.isin(torch.arange(10), torch.tensor([3, 6]))
+            right = torch.where(answers, targets.clamp(min=0), 0)
             return torch.nn.functional.one_hot(right, 16).float(), None
     sets = {(10, 4): (None, None, torch.zeros(4, 10, dtype=torch.long), y)}
     assert mqar.mqar_recall(HalfRight(), sets) == {(10, 4): 0.5}
@@ -364,14 +463,18 @@ def test_mqar_recall_counts_the_answers_only_and_the_pair_embedding_adds_key_and
     w = model.lm_head.weight
     assert model.transformer.wte(torch.tensor([3 * 16 + 12])).squeeze().equal(w[3] + w[12])
     assert model.transformer.wte.wte.weight is w  # still tied to the output layer
-    taps = lambda name, *conv: [b.attn.conv.size(0) for b in mqar.mqar_model(name, 16, 10, *conv)
-                                .transformer.h if hasattr(b.attn, 'conv')]  # (taps, channels) a linear layer
+    # (taps, channels) a linear layer
+    taps = lambda name, *conv: [b.attn.conv.size(0)
+                                for b in mqar.mqar_model(name, 16, 10, *conv).transformer.h
+                                if hasattr(b.attn, 'conv')]
     assert taps('deltanet') == [1, 1] and taps('deltanet', 4) == [4, 4] and taps('hybrid', 4) == [4]
-    assert taps('mha', 4) == [] and mqar.mqar_model('hybrid', 16, 10).config.pos_emb == 'learned'  # for all
+    # for all
+    assert taps('mha', 4) == [] and mqar.mqar_model('hybrid', 16, 10).config.pos_emb == 'learned'
 
 
 def test_capacity_of_an_untrained_state():
-    """Few pairs in a wide state are all recalled; past d_k, pure accumulation blurs (the chapter's claim)."""
+    """Few pairs in a wide state are all recalled; past d_k, pure accumulation blurs (the chapter's
+    claim)."""
     rules, recall = mqar.capacity(64, [4])
     assert all(recall[r, 4] > 0.99 for r in rules)
     rules, recall = mqar.capacity(16, [64])
@@ -379,29 +482,37 @@ def test_capacity_of_an_untrained_state():
 
 
 def test_bench_gpu_needs_a_gpu_or_says_so():
-    """`python bench.py gpu` is the one command a lent GPU runs: CUDA by default, one line where there is none."""
-    r = subprocess.run([sys.executable, 'bench.py', 'gpu'], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    """`python bench.py gpu` is the one command a lent GPU runs: CUDA by default, one line where
+    there is none."""
+    r = subprocess.run([sys.executable, 'bench.py', 'gpu'], cwd=ROOT,
+                       capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and r.stderr.strip().splitlines() == [
         "error: device='cuda' but CUDA is not available here; use --device=cpu"], r.stderr
 
 
 @pytest.mark.slow
 def test_bench_gpu_report_writes_each_section(tmp_path):
-    """The GPU report on a CPU at toy sizes: every section in --out/gpu.md, the compiled columns beside eager, the
-    same greedy tokens every way."""
-    r = subprocess.run([sys.executable, 'bench.py', 'gpu', '--device=cpu', '--dtype=float32', '--layouts=mha,linear',
-                        '--n_layer=1', '--n_head=2', '--n_embd=16', '--batch=1', '--t=8', '--gen_tokens=2',
-                        f'--out={tmp_path}', f"--nanogpt={os.path.join(ROOT, 'model.py')}"], cwd=ROOT,
-                       capture_output=True, text=True, timeout=900)
+    """The GPU report on a CPU at toy sizes: every section in --out/gpu.md, the compiled columns
+    beside eager, the same greedy tokens every way."""
+    r = subprocess.run([sys.executable, 'bench.py', 'gpu', '--device=cpu', '--dtype=float32',
+                        '--layouts=mha,linear', '--n_layer=1', '--n_head=2', '--n_embd=16',
+                        '--batch=1', '--t=8', '--gen_tokens=2', f'--out={tmp_path}',
+                        f"--nanogpt={os.path.join(ROOT, 'model.py')}"],
+                       cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, r.stderr[-3000:]
     report = open(tmp_path / 'gpu.md').read()
-    for title in ('The run', 'Roofline of one decode step', 'Generation at batch 1', 'Training step',
-                  "Where an eager decode step's time goes", "fla's kernels"):
-        assert f"**{title}" in report and f"**{title}" in r.stdout, title  # printed as it finished, and kept
-    assert 'compiled % of floor' in report and '| nanoGPT, compiled |' in report and '| ours, linear, compiled |' in report
+    for title in ('The run', 'Roofline of one decode step', 'Generation at batch 1',
+                  'Training step', "Where an eager decode step's time goes", "fla's kernels"):
+        # printed as it finished, and kept
+        assert f"**{title}" in report and f"**{title}" in r.stdout, title
+    assert 'compiled % of floor' in report and '| nanoGPT, compiled |' in report
+    assert '| ours, linear, compiled |' in report
     assert re.search(r"^\| linear \| 1 \|.* \| yes \| yes \|$", report, re.M)
-    assert all(re.search(rf"^\| {a} \| [\d.]+ \| \d+ \| `aten::", report, re.M) for a in ('mha', 'linear'))  # profile
-    assert '--device=cpu --dtype=float32 --batch=1 --t=8 --n_layer=1 --n_head=2 --n_embd=16 --gen_tokens=2' in report
+    # profile
+    assert all(re.search(rf"^\| {a} \| [\d.]+ \| \d+ \| `aten::", report, re.M)
+               for a in ('mha', 'linear'))
+    assert ('--device=cpu --dtype=float32 --batch=1 --t=8 --n_layer=1 --n_head=2 --n_embd=16 '
+            '--gen_tokens=2' in report)
     assert "Not measured: fla is not installed here" in report
     assert os.path.isfile(tmp_path / 'roofline.png')
 

@@ -15,7 +15,8 @@ B, H, T, D = 2, 3, 50, 8
 
 
 def inputs(dtype=torch.float64, seed=0, forget=True, delta=True):
-    """q, k unit rows (as the delta rules see them), v, g = log α <= 0 (or None: α = 1), β in (0, 1) (or 1), a state."""
+    """q, k unit rows (as the delta rules see them), v, g = log α <= 0 (or None: α = 1),
+    β in (0, 1) (or 1), a state."""
     g = torch.Generator().manual_seed(seed)
     q, k = (F.normalize(torch.randn(B, H, T, D, generator=g, dtype=dtype), dim=-1) for _ in range(2))
     v = torch.randn(B, H, T, D + 1, generator=g, dtype=dtype)  # d_v != d_k: the orientation is checked
@@ -79,7 +80,8 @@ def test_short_conv_backward(T):
     zeros before the first token."""
     x, w = torch.randn(2, T, 5, dtype=torch.float64), torch.randn(4, 5, dtype=torch.float64)
     padded = F.pad(x, (0, 0, 3, 0))
-    torch.testing.assert_close(ShortConv.apply(x, w), sum(w[j] * padded[:, j:j + T] for j in range(4)), atol=1e-12, rtol=0)
+    expected = sum(w[j] * padded[:, j:j + T] for j in range(4))
+    torch.testing.assert_close(ShortConv.apply(x, w), expected, atol=1e-12, rtol=0)
     assert torch.autograd.gradcheck(ShortConv.apply, (x.requires_grad_(), w.requires_grad_()))
 
 
@@ -143,7 +145,8 @@ def test_gates_in_log_space_never_make_nan():
 # --- each rule's knob: shapes, values, initialisation --------------------------------------------------------
 
 def layer(layout, **kw):
-    return GPT(GPTConfig(**{**dict(n_layer=1, n_head=4, n_embd=32, block_size=16, attn=layout), **kw})).transformer.h[0].attn
+    config = GPTConfig(**{**dict(n_layer=1, n_head=4, n_embd=32, block_size=16, attn=layout), **kw})
+    return GPT(config).transformer.h[0].attn
 
 
 @pytest.mark.parametrize('layout', list(LINEAR_RULES))
@@ -181,7 +184,8 @@ def test_initialisation(layout):
     assert ('A_log' in names) == ('dt_bias' in names) == (forget == 'gate')
     assert ('o_norm.weight' in names) == ('conv' in names) == (layout != 'linear')
     rows = 3 * 256 + 256 * (layout != 'linear') + 64 * (forget == 'gate') + 64 * delta
-    assert list(attn.parts.values()) == [n for n in (768, 256 * (layout != 'linear'), 64 * (forget == 'gate'), 64 * delta) if n]
+    widths = (768, 256 * (layout != 'linear'), 64 * (forget == 'gate'), 64 * delta)
+    assert list(attn.parts.values()) == [n for n in widths if n]
     assert attn.c_attn.weight.shape == (rows, 256) and abs(attn.c_attn.weight.std().item() - 0.02) < 0.001
     if forget == 'gate':
         A, dt = attn.A_log.exp(), F.softplus(attn.dt_bias)

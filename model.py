@@ -19,7 +19,7 @@ from ops.cache import Cache, LayerCache
 from ops.linear import conv_silu, features, linear_chunked, linear_step, mamba2_gate, retnet_decay
 from ops.linear_fla import fla_runs, linear_fla
 from ops.mla import attend_absorbed, attend_materialized
-from ops.sampling import check_generation, sample
+from ops.sampling import stream
 from ops.softmax import apply_rope, attend, rope_table
 
 # The linear layouts, the founding chapter's table: each keeps a fixed state S per head and rewrites
@@ -29,15 +29,11 @@ from ops.softmax import apply_rope, attend, rope_table
 # it (β). layout: (forget: α_t, correct: the delta rule)
 LINEAR_RULES = {
     'linear':         (None,    False),  # Katharopoulos et al. 2020: accumulate (α = 1, v kᵀ)
-    'retnet':         ('decay', False),  # RetNet's decay (Sun et al. 2023), fixed per head:
-                                         # α = γ_h = 1 - 2^(-5-h)
-    'mamba2':         ('gate',  False),  # Mamba-2's gate (Dao & Gu 2024), Gated DeltaNet's "Mamba2"
-                                         # (no Δ_t on the input, no D skip): on v kᵀ,
-                                         # α_t = exp(-exp(A_log) softplus(W_a x + dt_bias))
-    'deltanet':       (None,    True),   # DeltaNet (Schlag et al. 2021; Yang et al. 2024): α = 1,
-                                         # β_t = σ(W_β x)
+    'retnet':         ('decay', False),  # RetNet (Sun et al. 2023): α = γ_h, fixed per head
+    'mamba2':         ('gate',  False),  # Mamba-2 (Dao & Gu 2024): α_t from the token
+    'deltanet':       (None,    True),   # DeltaNet (Schlag et al. 2021; Yang et al. 2024): β_t
     'gated_deltanet': ('gate',  True),   # Gated DeltaNet (Yang, Kautz, Hatamizadeh 2024): both
-}
+}  # α's formulas: ops/linear.py's retnet_decay and mamba2_gate
 # the fields only some layouts use, and their defaults
 LAYER_FIELDS = {'n_kv_head': 0, 'kv_lora_rank': 0, 'rope_head_dim': 0, 'q_lora_rank': 0, 'conv_size': 4}
 
@@ -476,42 +472,5 @@ class GPT(nn.Module):
     @torch.no_grad()
     def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None, top_p=None, use_cache=True):
         """idx (B, T) followed by max_new_tokens sampled tokens; temperature 0 = greedy."""
-        return torch.cat([idx, *self.stream(idx, max_new_tokens, temperature, top_k, top_p, use_cache)], dim=1)
-
-    @torch.inference_mode()
-    def stream(self, idx, max_new_tokens, temperature=1.0, top_k=None, top_p=None, use_cache=True, cache=None):
-        """Yield the new tokens (B, 1) one step at a time. The model sees a window of at most
-        block_size tokens; when it is full it slides forward, keeping its last half, positions
-        restarting at 0: with and without the cache the tokens are the same. Pass a cache to
-        inspect it after."""
-        check_generation(idx, max_new_tokens, temperature, top_k, top_p)
-        block_size = self.config.block_size
-        # the prompt as the sampled tokens are (an inference tensor, contiguous), else torch.compile
-        # makes a graph for its prefill alone
-        idx = idx.clone(memory_format=torch.contiguous_format)
-        start = max(0, idx.size(1) - block_size)  # idx[:, start:] is the window
-        new = idx[:, start:]  # the tokens the cache has not seen: the window, then 1 token a step
-        cache = (self.init_cache(idx.size(0)) if cache is None else cache) if use_cache else None
-        for _ in range(max_new_tokens):
-            if idx.size(1) - start > block_size:  # the window is full: slide it forward
-                start = idx.size(1) - max(1, block_size // 2)
-                new = idx[:, start:]
-            if cache is not None and new.size(1) == idx.size(1) - start:  # a (re-)prefill
-                cache.reset()
-            logits, _ = self(new, cache=cache) if cache is not None else self(idx[:, start:])
-            new = sample(logits[:, -1, :].float(), temperature, top_k, top_p)  # (B, 1)
-            idx = torch.cat((idx, new), dim=1)
-            yield new
-
-def num_params(config):
-    """GPT(config)'s parameter count before anything is built (n_layer may be 10^9): one block of
-    each layout on the meta device times its layers, plus the embeddings and the final norm; inf
-    where a tensor's size overflows."""
-    try:
-        with torch.device('meta'):
-            blocks = sum(n * sum(p.numel() for p in Block(config, a).parameters())
-                         for a, n in config.layer_counts().items())
-    except (RuntimeError, OverflowError):  # "Storage size calculation overflowed", or past int64
-        return math.inf
-    positions = config.block_size * (config.pos_emb == 'learned')  # (wte, tied to lm_head: once)
-    return blocks + (config.vocab_size + positions + 1 + config.bias) * config.n_embd
+        tokens = stream(self, idx, max_new_tokens, temperature, top_k, top_p, use_cache)
+        return torch.cat([idx, *tokens], dim=1)

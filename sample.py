@@ -22,9 +22,11 @@ from benchmarks.timing import generate_in_turns
 from configurator import check_device, check_memory, configure, default_dtype, defaults, describe
 from configurator import duration, fail, fail_on
 from data.common import PrepareError, check_meta, prompt, tokenizer
-from model import GPT, num_params
+from model import GPT
+from ops.sampling import stream
 from run.checkpoint import to_sample, weights
 from run.interrupts import end_on_lost_output, exit_on_signals, on_closed_output
+from run.settings import num_params
 
 exit_on_signals()  # imported: Ctrl-C a KeyboardInterrupt again (said in one line all the same)
 
@@ -82,7 +84,7 @@ except Exception as e:  # weights of another shape, a broken vocabulary
     fail(f"cannot load checkpoint {ckpt_path}: {describe(e)}")
 ckpt = None  # free up memory
 model.eval().to(device=device, dtype=ptdtype)
-if compile:  # in place: stream() calls self(...), not a torch.compile(model) wrapper's forward
+if compile:  # in place: stream() calls model(...), not a torch.compile(model) wrapper's forward
     model.compile(mode='reduce-overhead' if 'cuda' in device else None)  # CUDA: CUDA graphs
     say("compiling the model (torch.compile): the first token waits for it, minutes on a CPU")
 torch.manual_seed(seed)
@@ -100,7 +102,7 @@ if not compare:
         say(f"generating {num_samples} samples of {max_new_tokens} tokens (printed when all are done)")
     else:  # one sample: streamed as it is generated
         print(start, end='')
-    for tok in model.stream(x, max_new_tokens, use_cache=use_cache, cache=cache, **options):
+    for tok in stream(model, x, max_new_tokens, use_cache=use_cache, cache=cache, **options):
         if compile and not new:  # the first token waited for the compilation (said after the text)
             compiled = duration(time.perf_counter() - t0)
         new.append(tok)

@@ -19,7 +19,8 @@ from benchmarks.common import (LAYOUTS, LEGEND_OUTSIDE, MORE, add_device, add_la
                                table)
 from benchmarks.timing import generate_in_turns, take_turns
 from configurator import check_device, check_memory, checked
-from model import GPT, GPTConfig, num_params
+from model import GPT, GPTConfig
+from run.settings import num_params
 
 ROUNDS = 15  # of every decode timing: each round runs every step once
 # a context is prefilled token by token's worth of work, even into a linear layout's fixed state

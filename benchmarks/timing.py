@@ -7,6 +7,8 @@ import time
 
 import torch
 
+from ops.sampling import stream
+
 
 def take_turns(fns, device, rounds, said=lambda name, r, seconds: None):
     """{name: [seconds, one a round]}: each fn once a round, the device synchronized around it, in
@@ -38,7 +40,7 @@ def generate_in_turns(ways, idx, new, device, rounds, seed=0, said=lambda way, r
         model, kind = ways[way]
         torch.manual_seed(seed)
         cache = model.init_cache(idx.size(0), static=kind == 'static') if kind else None
-        tokens = model.stream(idx, n, use_cache=cache is not None, cache=cache, **sampling)
+        tokens = stream(model, idx, n, use_cache=cache is not None, cache=cache, **sampling)
         out[way] = torch.cat([idx[:, :0], *tokens], 1), cache
     take_turns({way: lambda way=way: run(way, min(8, new)) for way in ways}, device, 1, said)
     times = take_turns({way: lambda way=way: run(way, new) for way in ways}, device, rounds,

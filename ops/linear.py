@@ -99,7 +99,8 @@ def retnet_decay(n_head, B, L, dtype, device):
     return torch.log1p(-2.0 ** (-5.0 - heads))[:, None].expand(B, -1, L)
 
 def mamba2_gate(a, A_log, dt_bias):
-    """Mamba-2's gate, log α_t = -exp(A_log) softplus(W_a x + dt_bias), a = W_a x (B, L, nh)."""
+    """Mamba-2's gate, log α_t = -exp(A_log) softplus(W_a x + dt_bias), a = W_a x (B, L, nh); as
+    Gated DeltaNet's "Mamba2" rule, on v kᵀ (no Δ_t on the input, no D skip)."""
     return -A_log.exp()[:, None] * F.softplus(a + dt_bias).transpose(1, 2)
 
 # The operators on q, k, v.

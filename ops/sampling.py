@@ -1,6 +1,7 @@
 """
-Sampling the next token from the logits (GPT.stream's step): greedy, or top-k / nucleus sampling
-at a temperature; and the check of a prompt and those settings before a token is sampled.
+Generation: stream() feeds a model its window of tokens, one new token a step, with or without
+its cache; sample() picks each token from the logits (greedy, or top-k / nucleus sampling at a
+temperature); check_generation() refuses a prompt or settings before a token is sampled.
 """
 import torch
 from torch.nn import functional as F
@@ -37,3 +38,29 @@ def sample(logits, temperature=1.0, top_k=None, top_p=None):
         drop[:, 0] = False
         logits = logits.masked_fill(torch.zeros_like(drop).scatter(1, order, drop), -float('inf'))
     return torch.multinomial(F.softmax(logits, dim=-1), num_samples=1)
+
+@torch.inference_mode()
+def stream(model, idx, max_new_tokens, temperature=1.0, top_k=None, top_p=None, use_cache=True,
+           cache=None):
+    """Yield the new tokens (B, 1) one step at a time. The model sees a window of at most
+    block_size tokens; when it is full it slides forward, keeping its last half, positions
+    restarting at 0: with and without the cache the tokens are the same. Pass a cache
+    (model.init_cache) to inspect it after."""
+    check_generation(idx, max_new_tokens, temperature, top_k, top_p)
+    block_size = model.config.block_size
+    # the prompt as the sampled tokens are (an inference tensor, contiguous), else torch.compile
+    # makes a graph for its prefill alone
+    idx = idx.clone(memory_format=torch.contiguous_format)
+    start = max(0, idx.size(1) - block_size)  # idx[:, start:] is the window
+    new = idx[:, start:]  # the tokens the cache has not seen: the window, then 1 token a step
+    cache = (model.init_cache(idx.size(0)) if cache is None else cache) if use_cache else None
+    for _ in range(max_new_tokens):
+        if idx.size(1) - start > block_size:  # the window is full: slide it forward
+            start = idx.size(1) - max(1, block_size // 2)
+            new = idx[:, start:]
+        if cache is not None and new.size(1) == idx.size(1) - start:  # a (re-)prefill
+            cache.reset()
+        logits, _ = model(new, cache=cache) if cache is not None else model(idx[:, start:])
+        new = sample(logits[:, -1, :].float(), temperature, top_k, top_p)  # (B, 1)
+        idx = torch.cat((idx, new), dim=1)
+        yield new

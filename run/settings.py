@@ -14,7 +14,7 @@ from types import SimpleNamespace
 import torch
 
 from configurator import check_memory, fail
-from model import LINEAR_RULES, GPTConfig, num_params
+from model import LINEAR_RULES, Block, GPTConfig
 from ops.linear_fla import fla_runs
 from run.checkpoint import FileError, in_use, model_flags, read_checkpoint
 
@@ -120,6 +120,20 @@ def remake(dataset, data_dir):
     if data_dir:
         return f"python data/{dataset}/prepare.py --input FILE --out_dir {data_dir}"
     return "delete it and run again"
+
+
+def num_params(config):
+    """GPT(config)'s parameter count before anything is built (n_layer may be 10^9): one block of
+    each layout on the meta device times its layers, plus the embeddings and the final norm; inf
+    where a tensor's size overflows."""
+    try:
+        with torch.device('meta'):
+            blocks = sum(n * sum(p.numel() for p in Block(config, a).parameters())
+                         for a, n in config.layer_counts().items())
+    except (RuntimeError, OverflowError):  # "Storage size calculation overflowed", or past int64
+        return math.inf
+    positions = config.block_size * (config.pos_emb == 'learned')  # (wte, tied to lm_head: once)
+    return blocks + (config.vocab_size + positions + 1 + config.bias) * config.n_embd
 
 
 def check_training_memory(gptconf, batch_size, dtype, device):

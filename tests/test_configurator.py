@@ -9,7 +9,8 @@ import torch
 
 from conftest import ROOT, TINY_TRAIN, digest, refused, run, train
 from configurator import configure
-from model import GPTConfig, num_params
+from model import GPTConfig
+from run.settings import num_params
 
 DEFAULTS = {'batch_size': 64, 'learning_rate': 1e-3, 'attn': 'mha', 'compile': False,
             'n_kv_head': 0}

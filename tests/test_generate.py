@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from conftest import make_model, full_logits
-from model import sample
+from ops.sampling import sample, stream
 
 
 @pytest.mark.parametrize('new_tokens', [20, 90])  # 4 + 90 runs far past block_size = 32
@@ -13,7 +13,7 @@ def test_greedy_with_and_without_cache_identical(attn, new_tokens):
     a = model.generate(prompt, new_tokens, temperature=0, use_cache=True)
     b = model.generate(prompt, new_tokens, temperature=0, use_cache=False)
     cache = model.init_cache(2, static=True)
-    static = torch.cat([prompt, *model.stream(prompt, new_tokens, temperature=0, cache=cache)], 1)
+    static = torch.cat([prompt, *stream(model, prompt, new_tokens, temperature=0, cache=cache)], 1)
     assert a.shape == (2, 4 + new_tokens)
     assert torch.equal(a, b) and torch.equal(static, b)
 
@@ -145,7 +145,7 @@ def test_in_place_compile_reaches_generation():
     # a 1-token prompt (sample.py's newline) into a static cache: its prefill is a decode step's
     # graph
     counters.clear()
-    list(model.stream(prompt[:, :1], 6, temperature=0, cache=model.init_cache(1, static=True)))
+    list(stream(model, prompt[:, :1], 6, temperature=0, cache=model.init_cache(1, static=True)))
     # (2 when the prompt was not an inference tensor as the tokens are)
     assert counters['stats']['unique_graphs'] == 1
     torch._dynamo.reset()
@@ -185,7 +185,7 @@ def test_a_static_cache_decodes_every_position_with_one_graph(attn):
     model.compile(backend=count, fullgraph=True, dynamic=False)
     cache = model.init_cache(1, static=True)
     with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True):
-        out = torch.cat([prompt, *model.stream(prompt, 50, temperature=0, cache=cache)], 1)
+        out = torch.cat([prompt, *stream(model, prompt, 50, temperature=0, cache=cache)], 1)
     assert torch.equal(out, expected)  # 4 + 50 tokens: the window slid past block_size = 32
     # one decode graph for all ~50 positions (prefills: the prompt, slid windows)
     assert graphs.count(True) == 1

@@ -79,9 +79,9 @@ def test_dropout_is_off_in_eval(attn):
 @pytest.mark.parametrize('attn', ['mha', 'gqa', 'mla', 'linear', 'gated_deltanet',
                                   'gated_deltanet*3+gqa', 'deltanet+mla'])
 def test_num_params_counts_what_gpt_builds(attn):
-    """model.num_params, which sizes a model before it is built (one block per layout), equals the
+    """run.settings.num_params, which sizes a model before it is built (one block per layout), equals the
     built model's count, learned positions, biases and a matched MLP included."""
-    from model import num_params
+    from run.settings import num_params
     for extra in ({}, dict(pos_emb='learned', bias=True, match_mha_params=True)):
         cfg = tiny(attn, n_layer=5, **extra)
         assert num_params(cfg) == sum(p.numel() for p in GPT(cfg).parameters()), extra

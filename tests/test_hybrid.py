@@ -7,8 +7,9 @@ import pytest
 import torch
 
 from conftest import make_model, table_layer_elements, tiny
+from model import GPT, LINEAR_RULES
 from run.convert import pool_kv_heads
-from model import GPT, LINEAR_RULES, num_params
+from run.settings import num_params
 from ops.softmax import rope_table
 
 # (attn, n_layer, each layer's layout written out): Qwen3-Next's 3:1 on 6 layers is the README's

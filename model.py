@@ -52,15 +52,15 @@ FIELD_RULES = [  # GPTConfig's rules of one field, checked after the types: (fie
 class GPTConfig:
     block_size: int = 256
     vocab_size: int = 65       # tiny Shakespeare, char level
-    n_layer: int = 6
-    n_head: int = 6
-    n_embd: int = 384
+    n_layer: int = 6           # Transformer blocks
+    n_head: int = 6            # query heads
+    n_embd: int = 384          # width of the residual stream (head_dim = n_embd / n_head)
     dropout: float = 0.0
     bias: bool = False         # bias in Linears and LayerNorms, like GPT-2
     attn: str = 'mha'          # a layout, or a hybrid 'gated_deltanet*3+gqa': per layer, repeated
     n_kv_head: int = 0         # K/V heads; 0 = mha n_head, gqa n_head's smallest divisor > 1, mqa 1
     pos_emb: str = 'rope'      # 'rope', or nanoGPT's 'learned' absolute positions
-    rope_base: float = 10000.0
+    rope_base: float = 10000.0  # RoPE's base θ: pair i turns at θ^(-2i/d) per position
     kv_lora_rank: int = 0      # MLA d_c, the cached latent; 0 = 4 * head_dim (DeepSeek-V2's ratio)
     rope_head_dim: int = 0     # MLA d_R, the decoupled rope q/k; 0 = head_dim / 2 (even, >= 2)
     q_lora_rank: int = 0       # MLA query compression; 0 = off (as DeepSeek-V2-Lite)

@@ -1,4 +1,4 @@
-"""
+r"""
 Train one attention layout on tiny Shakespeare (nanoGPT's train.py, one layout switch more).
 
     python train.py config/gqa.py                  # baby GPT, GQA (~20 s an iteration, 2 CPU cores)

@@ -330,7 +330,7 @@ def described(args, data, swept):
     model = (f"a {MQAR['n_layer']}-layer model per layout ({MQAR['n_head']} heads, n_embd "
              f"{MQAR['n_embd']}, head_dim d_k = {HEAD_DIM}, learned positions, {conv}, the MLP "
              "sized to MHA's parameter count; hybrid = 'gated_deltanet+gqa')")
-    lrs = f"at each layout's best peak lr of {MQAR_SWEPT} (bench.py's MQAR_LR)"
+    lrs = f"at each layout's best peak lr of {MQAR_SWEPT} (benchmarks/mqar.py's MQAR_LR)"
     if args.lrs:
         lrs = (f"at each peak lr ({swept}), each layout's best kept by mean recall (as Zoology "
                "reports its sweep)")

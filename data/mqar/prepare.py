@@ -11,7 +11,7 @@ Loss and accuracy count the answers only (the other targets are -1, which the mo
 cross-entropy ignores).
 
 One position a pair: it holds key * vocab + value, and the model embeds it as emb(key) +
-emb(value) (bench.py's PairEmbedding); a query or a random token t is t * vocab, emb(t) + emb(0)
+emb(value) (benchmarks/mqar.py's PairEmbedding); a query or a random token t is t * vocab, emb(t) + emb(0)
 (0 is never a key or a value). Zoology's two-token pairs (k v k v ...) also need an induction step,
 which Zoology's models get from a short conv in front of every mixer; ours have none in front of
 softmax attention, so with two tokens the test would measure that conv, not what a layout's state

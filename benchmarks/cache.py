@@ -60,6 +60,6 @@ def cache_report(layouts=LAYOUTS):
     if states:
         headline += (f" The linear layouts keep a fixed state instead: {min(states):,}"
                      + f" to {max(states):,}" * (min(states) != max(states))
-                     + f" bytes (fp32) at any T.")
+                     + " bytes (fp32) at any T.")
     return (f"{config}; cache of 1 sequence after T={T} tokens, float32 (a linear layer's state is "
             f"float32 in every dtype).\n\n{headline}\n{MORE}\n" + table(header, rows))

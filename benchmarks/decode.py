@@ -196,6 +196,68 @@ def roofline_section(runs, bandwidth, rate, batch, t, path):
             "median.\n\n" + table(header, rows))
 
 
+# --- where a decode step's time goes ----------------------------------------------------------------
+
+# what each operator the profile names does in a decode step (any other: said by its name alone)
+ROLES = {
+    'aten::_scaled_dot_product_flash_attention_for_cpu': "the attention product over the cache",
+    'aten::_scaled_dot_product_efficient_attention': "the attention product over the cache",
+    'aten::_flash_attention_forward': "the attention product over the cache",
+    'aten::bmm': "batched products: the attention over the cache, MLA's W_UK and W_UV",
+    'aten::baddbmm': "the scores q kᵀ over the cache",
+    'aten::mm': "the weights: q/k/v and output projections, the MLP, the head",
+    'aten::addmm': "the weights, with a bias",
+    'aten::_softmax': "the softmax over the scores",
+    'aten::copy_': "copies: cache writes, layout changes, dtype casts",
+    'aten::index_copy_': "a static cache's writes",
+    'aten::native_layer_norm': "the layer norms",
+    'aten::gelu': "the MLP's activation",
+    'aten::cat': "concatenations (MLA's query and latent)",
+    'aten::flip': "RoPE's pair swap",
+    'aten::mul': "elementwise products (RoPE, scales)",
+    'aten::add': "elementwise sums (RoPE, residuals)",
+    'aten::einsum': "MLA's absorbed products (bmm inside)",
+}
+
+
+@torch.inference_mode()
+def decode_profile(layouts, sizes, batch, t, device, dtype, steps=5, top=4):
+    """The eager cached decode step under torch.profiler: its kernels (CUDA; on a CPU, its aten
+    ops) and the few that take the most time, per layout, then what each named one does: why one
+    layout's step costs more than another's that reads more."""
+    kind = 'device' if device.startswith('cuda') else 'cpu'
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if kind == 'device':
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    self_time = lambda event: getattr(event, f'self_{kind}_time_total')
+    rows, named = [], {}
+    for attn in layouts:
+        progress(f"profile of a decode step: {attn}")
+        config = GPTConfig(attn=LAYOUTS[attn], **sizes, block_size=t + 1)
+        model = GPT(config).to(device, dtype).eval()
+        idx, cache = torch.randint(0, 65, (batch, t + 1), device=device), model.init_cache(batch)
+        prefill(model, idx, t, cache, 512, f"{attn}, profiled")
+        step = decode_step(model, idx[:, t:], cache, t)
+        step()
+        with torch.profiler.profile(activities=activities) as prof:
+            for _ in range(steps):
+                step()
+        events = [e for e in prof.key_averages() if self_time(e) > 0]
+        if kind == 'cpu':
+            events = [e for e in events if e.key.startswith('aten::')]
+        total = sum(map(self_time, events))
+        busiest = sorted(events, key=lambda e: -self_time(e))[:top]
+        shares = "; ".join(f"`{e.key[:60]}` {100 * self_time(e) / total:.0f}% "
+                           f"(x{e.count // steps})" for e in busiest)
+        named.update((e.key, ROLES[e.key]) for e in busiest if e.key in ROLES)
+        ms, ops = f"{total / steps / 1000:.3g}", sum(e.count for e in events) // steps
+        rows.append(row(attn, ms, ops, shares))
+    ops = 'kernels a step' if kind == 'device' else 'aten ops a step'
+    header = ['layout', f'{kind} ms a step', ops, 'the busiest (share of the step, calls a step)']
+    legend = "\n".join(f"- `{key}`: {role}" for key, role in named.items())
+    return table(header, rows) + ("\n" + legend + "\n" if legend else "")
+
+
 # --- generation with and without the cache --------------------------------------------------------
 
 @torch.inference_mode()
@@ -258,8 +320,11 @@ def decode_report(args):
     cost = lambda attn, t: f"{ms(attn, t, 'eager'):.3g} / {ms(attn, t, 'no cache'):,.1f}"
     cost_table = table(['layout', *[f"t={t} cached / no cache" for t in contexts]],
                        [row(attn, *(cost(attn, t) for t in contexts)) for attn in layouts])
+    profile = decode_profile(layouts, sizes, args.batch, args.t, device, dtype)
     text = (f"Machine: {machine()}. Model: {described(args)}.\n\n**Roofline of one decode step**"
-            f"\n\n{roof}\n![decode step vs bytes read](roofline.png)\n{MORE}\n**Decode cost vs "
+            f"\n\n{roof}\n![decode step vs bytes read](roofline.png)\n{MORE}\n**Where an eager "
+            f"decode step's time goes**, batch {args.batch}, t={args.t} (torch.profiler, 5 steps, "
+            f"warm: the steps run back to back):\n\n{profile}\n**Decode cost vs "
             "context**, batch 1, eager, ms per generated token (a cached step / a forward over the "
             f"t + 1 tokens), medians of {ROUNDS} rounds taken like the roofline's (so each step "
             "reads its weights cold):\n\n" + cost_table)

@@ -10,12 +10,12 @@ import statistics
 
 import torch
 
-from benchmarks.common import LAYOUTS, add_device, add_layouts, command, machine, row, table
-from benchmarks.decode import (add_model_flags, check_device_and_dtype, check_sizes, decode_step,
-                               generation, model_sizes, prefill, roofline, roofline_section)
+from benchmarks.common import add_device, add_layouts, command, machine, row, table
+from benchmarks.decode import (add_model_flags, check_device_and_dtype, check_sizes, decode_profile,
+                               generation, model_sizes, roofline, roofline_section)
 from benchmarks.timing import take_turns
 from benchmarks.train import add_nanogpt, check_nanogpt, step_time_vs_nanogpt
-from model import GPT, GPTConfig, LINEAR_RULES
+from model import LINEAR_RULES
 from ops.linear import linear_chunked
 from ops.linear_fla import FLA, fla_runs, linear_fla
 from run.checkpoint import write_atomic
@@ -81,38 +81,6 @@ def gpu_report(args):
     section(f"fla's kernels against ours, forward + backward, batch {batch}, 256 tokens, float32 "
             "inputs", fla_vs_ours(layouts, sizes, batch, device))
     return '\n'.join(sections)
-
-
-@torch.inference_mode()
-def decode_profile(layouts, sizes, batch, t, device, dtype, steps=5, top=4):
-    """The eager cached decode step under torch.profiler: its kernels (CUDA; on a CPU, its aten
-    ops) and the few that take the most time, per layout: why one layout's step costs more than
-    another's that reads more."""
-    kind = 'device' if device.startswith('cuda') else 'cpu'
-    activities = [torch.profiler.ProfilerActivity.CPU]
-    if kind == 'device':
-        activities.append(torch.profiler.ProfilerActivity.CUDA)
-    self_time = lambda event: getattr(event, f'self_{kind}_time_total')
-    rows = []
-    for attn in layouts:
-        model = GPT(GPTConfig(attn=LAYOUTS[attn], **sizes, block_size=t + 1)).to(device, dtype).eval()
-        idx, cache = torch.randint(0, 65, (batch, t + 1), device=device), model.init_cache(batch)
-        prefill(model, idx, t, cache, 512, f"{attn}, profiled")
-        step = decode_step(model, idx[:, t:], cache, t)
-        step()
-        with torch.profiler.profile(activities=activities) as prof:
-            for _ in range(steps):
-                step()
-        events = [e for e in prof.key_averages() if self_time(e) > 0]
-        if kind == 'cpu':
-            events = [e for e in events if e.key.startswith('aten::')]
-        total = sum(map(self_time, events))
-        busiest = sorted(events, key=lambda e: -self_time(e))[:top]
-        shares = "; ".join(f"`{e.key[:60]}` {100 * self_time(e) / total:.0f}%" for e in busiest)
-        ms, ops = f"{total / steps / 1000:.3g}", sum(e.count for e in events) // steps
-        rows.append(row(attn, ms, ops, shares))
-    ops = 'kernels a step' if kind == 'device' else 'aten ops a step'
-    return table(['layout', f'{kind} ms a step', ops, 'the busiest (share of the step)'], rows)
 
 
 def fla_vs_ours(layouts, sizes, batch, device, T=256, rounds=10):

@@ -74,6 +74,9 @@ def test_decode_report_on_a_tiny_model(tmp_path):
     gen = re.findall(r"\| (\w+) \| (1|8) \| [\d.,]+ \| [\d.,]+ \| [\d.]+x \| yes \|", out)
     # identical greedy tokens with and without the cache, batch 1 and 8
     assert len(gen) == 2 * len(NAMES)
+    # where each step's time goes: its busiest aten ops, and what the named ones do
+    assert re.findall(r"^\| (\w+) \| [\d.]+ \| \d+ \| `aten::", out, re.M) == NAMES
+    assert "- `aten::mm`: the weights" in out
     headline = readme_section('decode', (tmp_path / 'decode.md').read_text(), str(tmp_path))
     assert '**Roofline' in headline and 'Decode cost vs context' not in headline
     assert f'{tmp_path}/decode.md' in headline

@@ -36,12 +36,12 @@ REPORTS = {'cache': cache, 'train': train, 'decode': decode, 'convert': convert,
 
 def parse(argv):
     """The report and its flags; a report's errors: one line that points to its own --help."""
-    p = Parser(prog='bench.py', description=__doc__)
+    p = Parser(prog='bench.py', description=__doc__, allow_abbrev=False)  # --seed is not --seeds
     reports = p.add_subparsers(dest='mode', required=True, title='reports')
     for mode, module in REPORTS.items():
         doc = module.__doc__.strip()  # its first line: 'bench.py MODE: what it measures.'
         what = doc.splitlines()[0].split(': ', 1)[1].rstrip('.')
-        sub = reports.add_parser(mode, help=what, description=doc)
+        sub = reports.add_parser(mode, help=what, description=doc, allow_abbrev=False)
         module.add_arguments(sub)
         out = 'results/gpu' if mode == 'gpu' else 'out-bench'
         sub.add_argument('--out', help=f"folder for runs, reports and plots (default: {out}; "
@@ -58,11 +58,11 @@ def parse(argv):
 
 
 def main(argv=None):
-    memory_errors_in_one_line('--batch, --t, --contexts, --n_embd, --n_layer')  # e.g. --t too large
     exit_on_signals()  # SIGTERM, SIGHUP: one line; the with blocks still end mqar's workers
     on_closed_output(end_on_lost_output)  # the report is in --out already when it is printed
     PLOTS.clear()
     args, error = parse(argv)
+    memory_errors_in_one_line(f"bench.py {args.mode} --help lists them")  # e.g. --t too large
     report = REPORTS[args.mode]
     if args.out == '':
         error("--out='': give a folder to write the results in")

@@ -13,7 +13,7 @@ import torch
 
 from configurator import checked
 from model import ATTN_LAYOUTS
-from run.checkpoint import write_atomic
+from run.checkpoint import FileError, write_atomic
 
 # no 'USDT: profiler_start' lines (inductor profiles GPU kernels)
 os.environ.setdefault('KINETO_LOG_LEVEL', '6')
@@ -109,7 +109,11 @@ def rewrite_readme(mode, report, out):
     """README.md's section of the report replaced by its headline, written whole or not at all."""
     start, end = markers(mode)
     # read again: it may have been edited meanwhile
-    head, rest = open('README.md').read().split(start, 1)
+    readme = open('README.md').read() if os.path.isfile('README.md') else ''
+    if not (start in readme and end in readme.split(start, 1)[-1]):
+        raise FileError(f"README.md lost its '{start}' ... '{end}' section while this ran: the "
+                        f"report is in {out}/{mode}.md, README.md is unchanged")
+    head, rest = readme.split(start, 1)
     section = readme_section(mode, report, out)
     write_atomic('README.md', head + start + "\n" + section + end + rest.split(end, 1)[1])
 

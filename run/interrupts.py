@@ -129,7 +129,10 @@ class Output:
     is called once, instead of an OSError at the next print."""
 
     def __init__(self, stream, gone, name):
-        self.stream, self.gone, self.name, self.closed_out = stream, gone, name, False
+        self.gone, self.name, self.closed_out = gone, name, False
+        # `>&-` closed the descriptor: Python's stream is None, and the first write says so
+        self.unopened = stream is None
+        self.stream = open(os.devnull, 'w') if stream is None else stream
 
     def write(self, text):
         return self.guard(self.stream.write, text) or len(text)
@@ -138,6 +141,9 @@ class Output:
         self.guard(self.stream.flush)
 
     def guard(self, call, *args):
+        if self.unopened:
+            self.unopened, self.closed_out = False, True
+            self.gone(f"cannot write to {self.name} (it is closed)")
         try:
             return call(*args)
         except OSError as e:

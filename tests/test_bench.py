@@ -226,6 +226,7 @@ def test_bad_arguments_are_one_line(tmp_path, capsys, monkeypatch):
         (['decode', '--n_head=5'],
          "GPTConfig.n_embd=384 is invalid: must be divisible by n_head=5"),
         (['flash'], "argument mode: invalid choice: 'flash'"),
+        (['mqar', '--seed=3'], "unrecognized arguments: --seed=3"),  # not --seeds=3
         (['decode', '--gen_tokens=241'], "--gen_tokens: '241': give 1 to 240"),
         (['cache', 'foo'], "unrecognized arguments: foo"),
         (['train', '--n_layer=1'],
@@ -521,6 +522,24 @@ def test_bench_gpu_report_writes_each_section(tmp_path):
 
 
 # ---- bench.py never loses a file it did not write, and stops cleanly ----
+
+def test_a_readme_edited_during_the_run_is_one_line(tmp_path, monkeypatch, capsys):
+    """README.md's section gone when the report is done (edited, another branch checked out):
+    one line that says where the report is, README.md unchanged."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / 'README.md').write_text('<!-- cache-table -->\nold\n<!-- /cache-table -->\n')
+    real = bench_main.__globals__['REPORTS']['cache'].report
+
+    def edited(args):
+        (tmp_path / 'README.md').write_text('rewritten meanwhile\n')
+        return real(args)
+    monkeypatch.setattr(bench_main.__globals__['REPORTS']['cache'], 'report', edited)
+    with pytest.raises(SystemExit):
+        bench_main(['cache', '--readme', '--layouts=mqa'])
+    assert "README.md lost its '<!-- cache-table -->'" in capsys.readouterr().err
+    assert (tmp_path / 'README.md').read_text() == 'rewritten meanwhile\n'
+    assert (tmp_path / 'results' / 'cache.md').is_file()
+
 
 def test_bench_readme_is_rewritten_whole_or_not_at_all(tmp_path):
     """bench.py --readme under a file-size limit below README.md's size: one line, README.md

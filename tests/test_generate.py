@@ -81,9 +81,21 @@ def test_generate_refuses_a_sampling_setting_it_would_misread():
                 dict(top_p=1.5), dict(max_new_tokens=-1)):
         with pytest.raises(ValueError, match=said):
             model.generate(idx, **{'max_new_tokens': 2, **bad})
-    for prompt in (idx[0], idx[:, :0]):
-        with pytest.raises(ValueError, match=r"empty prompt, or not \(B, T\)"):
+    for bad in (dict(max_new_tokens=None), dict(max_new_tokens=1e3), dict(temperature=None),
+                dict(top_p='0.9'), dict(top_k=True)):  # wrong types: refused, not a TypeError
+        with pytest.raises(ValueError, match=said):
+            model.generate(idx, **{'max_new_tokens': 2, **bad})
+    for prompt in (idx[0], idx[:, :0], [[1, 2]]):
+        with pytest.raises(ValueError, match=r"empty prompt, or not a tensor \(B, T\)"):
             model.generate(prompt, 2)
+    vocab = model.config.vocab_size
+    for ids, said in ((idx.float(), "must hold token ids"), (idx + vocab, rf"in \[0, {vocab}\)"),
+                      (idx - 1, rf"in \[0, {vocab}\), .* holds -1 to -1")):
+        with pytest.raises(ValueError, match=said):  # (another tokenizer's ids: not an IndexError)
+            model.generate(ids, 2)
+    # stream() checks at the call, not at the first token; and a cache made for another batch
+    with pytest.raises(ValueError, match=r"the cache holds \d+ layers of batch \{2\}"):
+        stream(model, idx, 2, cache=model.init_cache(2))
     assert model.generate(idx, 2, temperature=1e-6, top_k=1, top_p=1.0).shape == (1, 5)
 
 

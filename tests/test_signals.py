@@ -229,3 +229,14 @@ def test_ddp_a_killed_rank_leaves_one_line_from_the_other(tmp_path, char_data, k
     said = rf"error: rank {1 - killed}: RuntimeError: .* \(another rank stopped: killed, or its " \
            r"own error says why\)"
     assert len(ours) == 1 and re.fullmatch(said, ours[0]), err
+
+
+@pytest.mark.parametrize('script', ['train.py --help', 'sample.py --help', 'bench.py --help'])
+def test_a_closed_stdout_is_one_line(script):
+    """`>&-` closes the descriptor (Python's sys.stdout is None): one line, not an AttributeError
+    traceback at the first print."""
+    r = subprocess.run(f"{sys.executable} {script} >&-", shell=True, cwd=ROOT,
+                       capture_output=False, stderr=subprocess.PIPE, text=True, timeout=120)
+    assert r.returncode != 0 and r.stderr.strip().splitlines() == [
+        next(line for line in r.stderr.splitlines() if line.startswith('error: cannot write to '
+                                                                       'stdout (it is closed)'))]

@@ -8,7 +8,7 @@ puts its headline into README.md. A report is a module of benchmarks/, with its 
     python bench.py train                 # every layout on the CPU preset: losses, speed, curves
     python bench.py train --nanogpt PATH  # ... and the training step next to nanoGPT's model.py
     python bench.py decode                # decode roofline, decode vs context, generation
-    python bench.py decode --compile      # ... with compiled columns (a static cache, CUDA graphs)
+    python bench.py decode --compile      # ... and the roofline's step compiled (a static cache)
     python bench.py convert               # MHA -> GQA / MQA by mean-pooling K/V heads, uptrained
     python bench.py mqar                  # associative recall: what a fixed state can hold
     python bench.py gpu --nanogpt PATH    # the one GPU report: roofline, generation, step, fla
@@ -87,8 +87,8 @@ def main(argv=None):
     except OSError as e:
         error(f"--out {args.out!r}: {e.strerror}; give a folder to write the results in")
     torch.manual_seed(0)
-    text = report.report(args)
     try:  # each file whole or not at all: a full disk leaves the old one
+        text = report.report(args)  # (decode and gpu write theirs as they go)
         for save in PLOTS:
             save()
         write_atomic(path, text)

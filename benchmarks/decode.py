@@ -5,9 +5,11 @@ The roofline of one cached decode step (batch 16, t=2048): the bytes it reads an
 computes, against the floors measured in the same run. Then a step's cost against the context, and
 greedy generation's tokens/s.
 """
+import collections
 import copy
 import os
 import statistics
+import time
 from unittest.mock import patch
 
 import torch
@@ -20,6 +22,7 @@ from benchmarks.common import (LAYOUTS, LEGEND_OUTSIDE, MORE, add_device, add_la
 from benchmarks.timing import generate_in_turns, take_turns
 from configurator import check_device, check_memory, checked
 from model import GPT, GPTConfig
+from run.checkpoint import write_atomic
 from run.settings import num_params
 
 ROUNDS = 15  # of every decode timing: each round runs every step once
@@ -38,7 +41,7 @@ def add_arguments(p):
     flag(p, 'contexts', '64,128,256,512,1024,2048', contexts,
          'the contexts of decode cost vs context')
     p.add_argument('--compile', action='store_true',
-                   help='compiled columns (static cache; CUDA graphs)')
+                   help="the roofline's step compiled too (a static cache; CUDA graphs on a GPU)")
 
 
 def add_model_flags(p, batch, dtype, batch_is):
@@ -95,42 +98,61 @@ def check_sizes(args, contexts, compiled, what):
 @torch.inference_mode()
 @torch.no_grad()  # (a static cache's FlexAttention has no backward on a CPU)
 def roofline(layouts, sizes, batch, contexts, device, dtype, compile=False, uncached=False,
-             rounds=ROUNDS, chunk=512):
+             rounds=ROUNDS, chunk=512, said=lambda attn, runs: None):
     """A cached decode step per layout and context t, eager (and compiled; and uncached: the
-    forward over the t + 1 tokens that the step spares), taking turns with the floors' large copy
-    and large product."""
+    forward over the t + 1 tokens that the step spares). Each layout's steps take turns with the
+    floors' large copy and large product, so that its fraction of the floor compares times taken
+    together; said(attn, runs) once a layout is done (runs: every one so far)."""
     # the floors: an m x m product, a copy of n floats
     m, n = (8192, 2 ** 28) if device.startswith('cuda') else (2048, 2 ** 26)
     a, b = (torch.randn(m, m, device=device, dtype=dtype) for _ in range(2))
     x, y = torch.ones(n, device=device), torch.empty(n, device=device)
-    fns, runs = {'copy': lambda: y.copy_(x), 'product': lambda: a @ b}, {}
-    kinds, options = ['eager'] + ['compiled'] * compile, compile_options(device) if compile else {}
+    floors, runs = {'copy': lambda: y.copy_(x), 'product': lambda: a @ b}, {}
+    kinds = ['eager'] + ['compiled'] * compile + ['no cache'] * uncached
     for attn in layouts:
         progress(f"decode steps at batch {batch}: {attn}")
         config = GPTConfig(attn=LAYOUTS[attn], **sizes, block_size=max(contexts) + 1)
         model = GPT(config).to(device, dtype).eval()
+        net = torch.compile(model, **compile_options(device)) if compile else None
         idx = torch.randint(0, config.vocab_size, (batch, max(contexts) + 1), device=device)
+        fns = dict(floors)
         for t in contexts:
-            for kind in kinds:  # compiled: the same step over a static cache, one graph
-                cache = model.init_cache(batch, static=kind == 'compiled')
-                prefill(model, idx, t, cache, chunk, f"{attn}, {kind}")
-                net = torch.compile(model, **options) if kind == 'compiled' else model
-                fns[attn, t, kind] = decode_step(net, idx[:, t:t + 1], cache, t)
-                if kind == 'eager':
-                    runs[attn, t] = counted(fns[attn, t, kind], model, cache)
+            cache = model.init_cache(batch)
+            prefill(model, idx, t, cache, chunk, f"{attn}, eager")
+            fns[t, 'eager'] = decode_step(model, idx[:, t:t + 1], cache, t)
+            runs[attn, t] = counted(fns[t, 'eager'], model, cache)
+            if compile:  # the same step over a static cache, one graph
+                fns[t, 'compiled'] = decode_step(net, idx[:, t:t + 1],
+                                                 static_copy(model, cache, batch), t)
             if uncached:
-                fns[attn, t, 'no cache'] = lambda model=model, window=idx[:, :t + 1]: model(window)[0]
-    for fn in fns.values():
-        fn()  # warm-up (compilation); from now on each cache holds the t + 1 keys its step attends to
-    # floors: the machine's best round; steps: their median round
-    times = take_turns(fns, device, rounds)
-    bandwidth = 2 * 4 * n / min(times['copy'])  # a copy reads 4 bytes a float, and writes 4
-    rate = 2 * m ** 3 / min(times['product'])
-    for (attn, t), run in runs.items():
-        timed = kinds + ['no cache'] * uncached
-        run['ms'] = {kind: statistics.median(times[attn, t, kind]) * 1000 for kind in timed}
-        run['floors'] = {'bytes': run['bytes'] / bandwidth * 1000, 'FLOPs': run['flops'] / rate * 1000}
-    return runs, bandwidth, rate
+                fns[t, 'no cache'] = lambda window=idx[:, :t + 1]: model(window)[0]
+        if compile:
+            progress(f"{attn}: compiling its step (on a CPU, a minute or more; MLA's, minutes)")
+        for fn in fns.values():
+            fn()  # warm-up (compilation); from now on each cache holds the t + 1 keys it reads
+        # floors: the machine's best round; steps: their median round
+        times = take_turns(fns, device, rounds)
+        bandwidth = 2 * 4 * n / min(times['copy'])  # a copy reads 4 bytes a float, and writes 4
+        rate = 2 * m ** 3 / min(times['product'])
+        for t in contexts:
+            run = runs[attn, t]
+            run.update(bandwidth=bandwidth, rate=rate)
+            run['ms'] = {kind: statistics.median(times[t, kind]) * 1000 for kind in kinds}
+            run['floors'] = {'bytes': run['bytes'] / bandwidth * 1000,
+                             'FLOPs': run['flops'] / rate * 1000}
+        said(attn, runs)
+    return runs
+
+
+def static_copy(model, cache, batch):
+    """A static cache (fixed shapes: one compiled graph) holding what cache holds: filled by a
+    copy, not by a prefill that would run FlexAttention uncompiled (slow, and it warns)."""
+    static = model.init_cache(batch, static=True)
+    for mine, theirs in zip(static.layers, cache.layers):
+        for name, buf in mine.buffers.items():
+            buf.copy_(theirs.buffers[name])
+    static.pos.fill_(len(cache))
+    return static
 
 
 def prefill(model, idx, t, cache, chunk, what):
@@ -162,38 +184,52 @@ def counted(step, model, cache):
     return dict(flops=counter.get_total_flops(), bytes=weights + cache.nbytes)
 
 
-def roofline_section(runs, bandwidth, rate, batch, t, path):
+def roofline_section(runs, batch, t, path):
     """The roofline table, and its plot into path: ms per step against the bytes it reads, with the
     floors."""
-    kinds = list(next(iter(runs.values()))['ms'])
     mb = {attn: run['bytes'] / 1e6 for (attn, _), run in runs.items()}
     ends = [min(mb.values()) / 1.5, max(mb.values()) * 1.5]
-    floor = f'bytes floor: bytes / {bandwidth / 1e9:.1f} GB/s'
-    lines = [(ends, [x * 1e6 / bandwidth * 1000 for x in ends], floor, dict(color='black', ls='--'))]
-    rows = []
+    best = max(run['bandwidth'] for run in runs.values())  # the lowest floor any row had
+    floor = f'bytes floor: bytes / {best / 1e9:.1f} GB/s'
+    lines = [(ends, [x * 1e6 / best * 1000 for x in ends], floor, dict(color='black', ls='--'))]
     for i, ((attn, _), run) in enumerate(runs.items()):
-        ms, floors = run['ms'], run['floors']
-        binds = max(floors, key=floors.get)
-        timed = [f"{ms[k]:.3g} | **{100 * floors[binds] / ms[k]:.3g}%**" for k in kinds]
-        rows.append(row(attn, f"{mb[attn]:,.3g} MB", f"{run['flops'] / 1e9:.3g}",
-                        f"{floors['bytes']:.3g}", f"{floors['FLOPs']:.3g}", binds, *timed))
         for k, marker, fill in (('eager', 'o', 'full'), ('compiled', 's', 'none')):
-            if k in ms:
+            if k in run['ms']:
                 style = dict(color=f'C{i}', marker=marker, ls='', fillstyle=fill)
-                lines.append(([mb[attn]], [ms[k]], f'{attn}, {k} step', style))
-        lines.append(([mb[attn]], [floors['FLOPs']], f'{attn}, FLOP floor',
+                lines.append(([mb[attn]], [run['ms'][k]], f'{attn}, {k} step', style))
+        lines.append(([mb[attn]], [run['floors']['FLOPs']], f'{attn}, FLOP floor',
                       dict(color=f'C{i}', marker='_', ms=16, mew=2, ls='')))
     plot(path, lines, LEGEND_OUTSIDE, xscale='log', yscale='log',
          title='decode step vs bytes read, with the floors', ylabel='ms per decode step',
          xlabel='bytes one decode step must read: weights + cache (MB)')
-    floors = (f"bandwidth **{bandwidth / 1e9:.1f} GB/s** (a large tensor copy, read + write "
-              f"bytes), matmul rate **{rate / 1e9:,.0f} GFLOP/s** (one large square product)")
+    return roofline_table(runs, batch, t)
+
+
+def span(values, form):  # a range, or one number where its ends print alike
+    low, high = form.format(min(values)), form.format(max(values))
+    return low if low == high else f"{low}-{high}"
+
+
+def roofline_table(runs, batch, t):
+    """A row per layout: bytes, FLOPs, both floors, and each kind of step's ms and fraction of
+    its floor."""
+    kinds, rows = list(next(iter(runs.values()))['ms']), []
+    for (attn, _), run in runs.items():
+        ms, floors = run['ms'], run['floors']
+        binds = max(floors, key=floors.get)
+        timed = [f"{ms[k]:.3g} | **{100 * floors[binds] / ms[k]:.3g}%**" for k in kinds]
+        rows.append(row(attn, f"{run['bytes'] / 1e6:,.3g} MB", f"{run['flops'] / 1e9:.3g}",
+                        f"{floors['bytes']:.3g}", f"{floors['FLOPs']:.3g}", binds, *timed))
+    bandwidth = span([run['bandwidth'] / 1e9 for run in runs.values()], '{:.1f}')
+    rate = span([run['rate'] / 1e9 for run in runs.values()], '{:,.0f}')
+    floors = (f"bandwidth **{bandwidth} GB/s** (a large tensor copy, read + write bytes), matmul "
+              f"rate **{rate} GFLOP/s** (one large square product)")
     header = ['layout', 'bytes read: weights + cache', 'GFLOP', 'bytes floor ms', 'FLOP floor ms',
               'binds', *[f"{k} {what}" for k in kinds for what in ('ms', '% of floor')]]
-    return (f"Cached decode step, batch {batch}, context t={t} (the step attends to t + 1 keys); "
-            f"floors measured in the same run: {floors}. Each of {ROUNDS} rounds times every step, "
-            "the copy and the product once, in a new order; floors: the best round, steps: the "
-            "median.\n\n" + table(header, rows))
+    return (f"Cached decode step, batch {batch}, context t={t} (the step attends to t + 1 keys). "
+            f"Each layout's steps take {ROUNDS} rounds of turns with the floors' copy and product, "
+            "in a new order each round; its floors: the best round (across the rows: "
+            f"{floors}), its steps: the median.\n\n" + table(header, rows))
 
 
 # --- where a decode step's time goes ----------------------------------------------------------------
@@ -222,15 +258,17 @@ ROLES = {
 
 @torch.inference_mode()
 def decode_profile(layouts, sizes, batch, t, device, dtype, steps=5, top=4):
-    """The eager cached decode step under torch.profiler: its kernels (CUDA; on a CPU, its aten
-    ops) and the few that take the most time, per layout, then what each named one does: why one
-    layout's step costs more than another's that reads more."""
+    """The eager cached decode step under torch.profiler, each of its steps after the roofline's
+    large copy (so it reads cold, as there): its kernels (CUDA; on a CPU, its aten ops), split
+    into the attention product, the weights' products and the rest, each next to the bytes it
+    must read; then the few that take the most time, and what each named one does."""
     kind = 'device' if device.startswith('cuda') else 'cpu'
     activities = [torch.profiler.ProfilerActivity.CPU]
     if kind == 'device':
         activities.append(torch.profiler.ProfilerActivity.CUDA)
-    self_time = lambda event: getattr(event, f'self_{kind}_time_total')
-    rows, named = [], {}
+    n = 2 ** 28 if kind == 'device' else 2 ** 26
+    x, y = torch.ones(n, device=device), torch.empty(n, device=device)
+    rows, named, copies = [], {}, []
     for attn in layouts:
         progress(f"profile of a decode step: {attn}")
         config = GPTConfig(attn=LAYOUTS[attn], **sizes, block_size=t + 1)
@@ -239,23 +277,59 @@ def decode_profile(layouts, sizes, batch, t, device, dtype, steps=5, top=4):
         prefill(model, idx, t, cache, 512, f"{attn}, profiled")
         step = decode_step(model, idx[:, t:], cache, t)
         step()
-        with torch.profiler.profile(activities=activities) as prof:
-            for _ in range(steps):
+        self_us, calls = collections.Counter(), collections.Counter()  # by op, over the steps
+        for _ in range(steps):
+            copies.append(time_copy(x, y, device))
+            with torch.profiler.profile(activities=activities) as prof:
                 step()
-        events = [e for e in prof.key_averages() if self_time(e) > 0]
-        if kind == 'cpu':
-            events = [e for e in events if e.key.startswith('aten::')]
-        total = sum(map(self_time, events))
-        busiest = sorted(events, key=lambda e: -self_time(e))[:top]
-        shares = "; ".join(f"`{e.key[:60]}` {100 * self_time(e) / total:.0f}% "
-                           f"(x{e.count // steps})" for e in busiest)
-        named.update((e.key, ROLES[e.key]) for e in busiest if e.key in ROLES)
-        ms, ops = f"{total / steps / 1000:.3g}", sum(e.count for e in events) // steps
-        rows.append(row(attn, ms, ops, shares))
-    ops = 'kernels a step' if kind == 'device' else 'aten ops a step'
-    header = ['layout', f'{kind} ms a step', ops, 'the busiest (share of the step, calls a step)']
+            for e in prof.key_averages():
+                if (kind == 'device' or e.key.startswith('aten::')) and self_time(e, kind) > 0:
+                    self_us[e.key] += self_time(e, kind)
+                    calls[e.key] += e.count
+        parts = collections.Counter()
+        for key, us in self_us.items():
+            parts[part_of(key)] += us
+        weights = sum(p.nbytes for p in model.parameters())
+        ms = lambda us: f"{us / steps / 1000:.3g}"
+        bandwidth = 8 * n / min(copies)
+        floor = lambda nbytes: f"{nbytes / bandwidth * 1000:.3g}"
+        busiest = self_us.most_common(top)
+        shares = "; ".join(f"`{key[:60]}` {100 * us / sum(self_us.values()):.0f}% "
+                           f"(x{calls[key] // steps})" for key, us in busiest)
+        named.update((key, ROLES[key]) for key, _ in busiest if key in ROLES)
+        rows.append(row(attn, ms(sum(self_us.values())), f"{ms(parts['attention'])} / "
+                        f"{floor(cache.nbytes)}", f"{ms(parts['weights'])} / {floor(weights)}",
+                        ms(parts['the rest']), sum(calls.values()) // steps, shares))
+    ops = 'kernels' if kind == 'device' else 'aten ops'
+    header = ['layout', f'{kind} ms a step', 'attention product ms / cache bytes floor ms',
+              "weights' products ms / weight bytes floor ms", 'the rest ms', f'{ops} a step',
+              'the busiest (share of the step, calls a step)']
     legend = "\n".join(f"- `{key}`: {role}" for key, role in named.items())
     return table(header, rows) + ("\n" + legend + "\n" if legend else "")
+
+
+def self_time(event, kind):  # microseconds
+    return getattr(event, f'self_{kind}_time_total')
+
+
+def part_of(key):
+    """The part of a decode step a kernel or aten op does: the attention product over the cache,
+    a product with the weights (MLA's absorbed W_UK, W_UV included), or the rest."""
+    low = key.lower()
+    if 'attention' in low or 'flash' in low or 'fmha' in low:
+        return 'attention'
+    products = key in ('aten::mm', 'aten::addmm', 'aten::bmm') or 'gemm' in low
+    return 'weights' if products else 'the rest'
+
+
+def time_copy(x, y, device):
+    """Seconds of one copy of x into y: it also leaves the caches full of other bytes."""
+    sync = torch.cuda.synchronize if device.startswith('cuda') else (lambda: None)
+    sync()
+    start = time.perf_counter()
+    y.copy_(x)
+    sync()
+    return time.perf_counter() - start
 
 
 # --- generation with and without the cache --------------------------------------------------------
@@ -302,36 +376,58 @@ def agree(model, idx, ref, other, tol=1e-4):
 # --- the decode report ----------------------------------------------------------------------------
 
 def decode_report(args):
-    """The roofline at --batch and --t, the cost vs context at batch 1, and generation with and
-    without the cache."""
+    """The roofline at --batch and --t, where its eager steps' time goes, the cost vs context at
+    batch 1, and generation with and without the cache. Written to --out as it goes, each roofline
+    row said as it finishes: a run stopped midway keeps what it measured."""
     layouts, contexts, device = args.layouts, args.contexts, args.device
     dtype, sizes = getattr(torch, args.dtype), model_sizes(args)
-    runs = roofline(layouts, sizes, args.batch, [args.t], device, dtype, args.compile)
-    roof = roofline_section(*runs, args.batch, args.t, os.path.join(args.out, 'roofline.png'))
-    costs = roofline(layouts, sizes, 1, contexts, device, dtype, uncached=True)[0]
+    path = os.path.join(args.out, 'decode.md')
+    text = f"Machine: {machine()}. Model: {described(args)}.\n\n**Roofline of one decode step**\n\n"
+
+    def so_far(more=''):  # the finished report replaces it
+        write_atomic(path, text + more + "\n_(The run was still going, or was stopped, here.)_\n")
+
+    def said(attn, runs):
+        run = runs[attn, args.t]
+        floor = max(run['floors'].values())
+        steps = ", ".join(f"{k} {ms:.3g} ms ({100 * floor / ms:.3g}% of its floor)"
+                          for k, ms in run['ms'].items())
+        progress(f"{attn}: {steps}")
+        so_far(roofline_table(runs, args.batch, args.t))
+    runs = roofline(layouts, sizes, args.batch, [args.t], device, dtype, args.compile, said=said)
+    text += roofline_section(runs, args.batch, args.t, os.path.join(args.out, 'roofline.png'))
+    text += f"\n![decode step vs bytes read](roofline.png)\n{MORE}\n"
+    profile = decode_profile(layouts, sizes, args.batch, args.t, device, dtype)
+    text += (f"**Where an eager decode step's time goes**, batch {args.batch}, t={args.t} "
+             "(torch.profiler, 5 steps, each after the roofline's copy: cold, as there; each "
+             f"part's floor: its bytes at that copy's bandwidth):\n\n{profile}\n")
+    so_far()
+    costs = roofline(layouts, sizes, 1, contexts, device, dtype, uncached=True)
+    text += cost_section(costs, layouts, contexts, os.path.join(args.out, 'decode.png'))
+    so_far()
+    text += (f"\n**Generation, {args.gen_tokens} new tokens after a 16-token prompt, block 256, "
+             "greedy, eager** (the best of two runs each way):\n\n")
+    return text + generation(layouts, sizes, device, dtype, new=args.gen_tokens)
+
+
+def cost_section(costs, layouts, contexts, path):
+    """Decode cost vs context: a cached step against a forward over the t + 1 tokens, and its
+    plot into path."""
     ms = lambda attn, t, kind: costs[attn, t]['ms'][kind]
     ways = (('eager', 'cached', 'o', '-'), ('no cache', 'no cache', 'x', '--'))
     lines = [(contexts, [ms(attn, t, k) for t in contexts], f'{attn}, {kind}',
               dict(color=f'C{i}', marker=marker, ls=ls))
              for i, attn in enumerate(layouts) for k, kind, marker, ls in ways]
-    plot(os.path.join(args.out, 'decode.png'), lines, dict(fontsize=7, ncol=2), xscale='log',
-         yscale='log', title='decode cost vs context, batch 1',
+    plot(path, lines, dict(fontsize=7, ncol=2), xscale='log', yscale='log',
+         title='decode cost vs context, batch 1',
          xlabel='context length t (tokens already seen)', ylabel='ms per generated token')
     cost = lambda attn, t: f"{ms(attn, t, 'eager'):.3g} / {ms(attn, t, 'no cache'):,.1f}"
     cost_table = table(['layout', *[f"t={t} cached / no cache" for t in contexts]],
                        [row(attn, *(cost(attn, t) for t in contexts)) for attn in layouts])
-    profile = decode_profile(layouts, sizes, args.batch, args.t, device, dtype)
-    text = (f"Machine: {machine()}. Model: {described(args)}.\n\n**Roofline of one decode step**"
-            f"\n\n{roof}\n![decode step vs bytes read](roofline.png)\n{MORE}\n**Where an eager "
-            f"decode step's time goes**, batch {args.batch}, t={args.t} (torch.profiler, 5 steps, "
-            f"warm: the steps run back to back):\n\n{profile}\n**Decode cost vs "
-            "context**, batch 1, eager, ms per generated token (a cached step / a forward over the "
-            f"t + 1 tokens), medians of {ROUNDS} rounds taken like the roofline's (so each step "
-            "reads its weights cold):\n\n" + cost_table)
-    text += (f"\n![decode cost vs context](decode.png)\n\n**Generation, {args.gen_tokens} new "
-             "tokens after a 16-token prompt, block 256, greedy** (the best of two runs each "
-             "way):\n\n")
-    return text + generation(layouts, sizes, device, dtype, args.compile, new=args.gen_tokens)
+    return ("**Decode cost vs context**, batch 1, eager, ms per generated token (a cached step / "
+            f"a forward over the t + 1 tokens), medians of {ROUNDS} rounds taken like the "
+            "roofline's (so each step reads its weights cold):\n\n" + cost_table +
+            "\n![decode cost vs context](decode.png)\n")
 
 
 def described(args):
@@ -339,8 +435,8 @@ def described(args):
     mla = GPTConfig(attn='mla', **model_sizes(args))
     how = 'eager'
     if args.compile:
-        how = 'compiled: torch.compile(fullgraph=True) over a static cache'
-        how += ', CUDA graphs' if args.device.startswith('cuda') else ''
+        how += (", and the roofline's step compiled: torch.compile(fullgraph=True) over a static "
+                "cache" + ', CUDA graphs' * args.device.startswith('cuda'))
     return (f"{args.n_layer} layers, {args.n_head} heads, n_embd {args.n_embd}, MLA d_c "
             f"{mla.kv_lora_rank} d_R {mla.rope_head_dim}, random init, {args.dtype}, device "
             f"{args.device}, {how}")

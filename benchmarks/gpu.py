@@ -61,7 +61,7 @@ def gpu_report(args):
 
     runs = roofline(layouts, sizes, batch, [t], device, dtype, compile=True)
     section(f"Roofline of one decode step, batch {batch}, t={t}, eager and compiled",
-            roofline_section(*runs, batch, t, os.path.join(args.out, 'roofline.png')))
+            roofline_section(runs, batch, t, os.path.join(args.out, 'roofline.png')))
 
     section(f"Generation at batch 1, {args.gen_tokens} new tokens after 16, block 256, greedy",
             generation(layouts, sizes, device, dtype, compile=True, new=args.gen_tokens,
@@ -76,7 +76,7 @@ def gpu_report(args):
             steps)
 
     section(f"Where an eager decode step's time goes, batch {batch}, t={t} (torch.profiler, 5 "
-            "steps)", decode_profile(layouts, sizes, batch, t, device, dtype))
+            "steps, each read cold)", decode_profile(layouts, sizes, batch, t, device, dtype))
 
     section(f"fla's kernels against ours, forward + backward, batch {batch}, 256 tokens, float32 "
             "inputs", fla_vs_ours(layouts, sizes, batch, device))

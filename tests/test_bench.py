@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from bench import main as bench_main
+import ops.softmax
 from benchmarks import decode, mqar, train
 from benchmarks.common import LAYOUTS, MORE, readme_section
 from benchmarks.timing import take_turns
@@ -74,8 +75,16 @@ def test_decode_report_on_a_tiny_model(tmp_path):
     gen = re.findall(r"\| (\w+) \| (1|8) \| [\d.,]+ \| [\d.,]+ \| [\d.]+x \| yes \|", out)
     # identical greedy tokens with and without the cache, batch 1 and 8
     assert len(gen) == 2 * len(NAMES)
-    # where each step's time goes: its busiest aten ops, and what the named ones do
-    assert re.findall(r"^\| (\w+) \| [\d.]+ \| \d+ \| `aten::", out, re.M) == NAMES
+    # where each step's time goes: its parts next to their floors, its busiest aten ops, and what
+    # the named ones do
+    num = r"([\d.e+-]+)"
+    parts = re.findall(rf"^\| (\w+) \| {num} \| {num} / {num} \| {num} / {num} \| {num} \| \d+ "
+                       r"\| `aten::", out, re.M)
+    assert [p[0] for p in parts] == NAMES
+    for attn, step, attention, _, weights, _, rest in parts:  # the parts add up to the step
+        assert float(attention) + float(weights) + float(rest) == pytest.approx(float(step), rel=0.02)
+        assert min(float(step), float(rest)) > 0 and min(float(attention), float(weights)) >= 0
+    assert all(float(p[2]) > 0 for p in parts if p[0] in ('mha', 'gqa', 'mqa', 'mla'))
     assert "- `aten::mm`: the weights" in out
     headline = readme_section('decode', (tmp_path / 'decode.md').read_text(), str(tmp_path))
     assert '**Roofline' in headline and 'Decode cost vs context' not in headline
@@ -95,14 +104,34 @@ def test_take_turns_shuffles_the_order():
     assert min(min(times.values())) >= 0
 
 
-def test_roofline_times_a_compiled_step():
+def test_roofline_times_a_compiled_step(monkeypatch):
     """The compiled column is a real torch.compile(fullgraph=True) of the step over a static cache
     (a graph break would raise)."""
-    runs, bandwidth, rate = decode.roofline(['mqa'], dict(n_layer=1, n_head=4, n_embd=16), 2, [16],
-                                            'cpu', torch.float32, compile=True, rounds=2)
-    assert set(runs['mqa', 16]['ms']) == {'eager', 'compiled'}
-    assert all(v > 0 for v in runs['mqa', 16]['ms'].values())
-    assert bandwidth > 1e8 and rate > 1e8
+    uncompiled, flex = [], ops.softmax.flex_attention
+
+    def counted_flex(*args, **kwargs):
+        uncompiled.extend([1] * (not torch.compiler.is_compiling()))
+        return flex(*args, **kwargs)
+    monkeypatch.setattr(ops.softmax, 'flex_attention', counted_flex)
+    runs = decode.roofline(['mqa'], dict(n_layer=1, n_head=4, n_embd=16), 2, [16], 'cpu',
+                           torch.float32, compile=True, rounds=2)
+    run = runs['mqa', 16]
+    assert set(run['ms']) == {'eager', 'compiled'} and all(v > 0 for v in run['ms'].values())
+    assert run['bandwidth'] > 1e8 and run['rate'] > 1e8
+    # its static cache is filled by a copy, never by FlexAttention run uncompiled (slow, a warning)
+    assert uncompiled == []
+
+
+def test_a_static_copy_holds_what_the_cache_holds():
+    model = GPT(GPTConfig(attn='mla', n_layer=2, n_head=4, n_embd=16, block_size=24)).eval()
+    idx = torch.randint(0, 65, (2, 11))
+    cache = model.init_cache(2)
+    with torch.no_grad():
+        model(idx[:, :10], cache=cache)
+        static = decode.static_copy(model, cache, 2)
+        assert torch.is_tensor(static.pos) and len(static) == len(cache) == 10
+        torch.testing.assert_close(model(idx[:, 10:], cache=static)[0],
+                                   model(idx[:, 10:], cache=cache)[0])
 
 
 def test_a_long_prefill_says_where_it_is(capsys):
@@ -305,17 +334,37 @@ def test_bad_arguments_are_one_line(tmp_path, capsys, monkeypatch):
     assert not (tmp_path / 'new').exists() and not (tmp_path / 'results').exists()
 
 
-def test_a_failed_run_leaves_the_saved_plots_alone(tmp_path, monkeypatch):
+def test_a_failed_run_leaves_the_saved_plots_alone_and_keeps_what_it_measured(tmp_path,
+                                                                              monkeypatch, capsys):
     """Plots are saved with the report, once it is all done: a run that fails after drawing them
-    changes nothing."""
+    leaves the saved ones. Its report so far is written as it goes: each roofline row as it
+    finishes, then each section."""
     (tmp_path / 'roofline.png').write_bytes(b'saved')
-    # fails after the roofline is drawn
-    monkeypatch.setattr(decode, 'generation', lambda *a, **k: 1 / 0)
+    monkeypatch.setattr(decode, 'generation', lambda *a, **k: 1 / 0)  # fails at the last section
     with pytest.raises(ZeroDivisionError):
         bench_main(['decode', '--n_layer=1', '--n_head=4', '--n_embd=16', '--contexts=8',
                     '--batch=2', '--t=8', f'--out={tmp_path}', '--layouts=mha,linear'])
-    assert os.listdir(tmp_path) == ['roofline.png']
+    assert sorted(os.listdir(tmp_path)) == ['decode.md', 'roofline.png']
     assert (tmp_path / 'roofline.png').read_bytes() == b'saved'
+    kept = (tmp_path / 'decode.md').read_text()
+    assert re.findall(r"^\| (\w+) \| [\d.]+ MB", kept, re.M) == ['mha', 'linear']
+    assert 'Decode cost vs context' in kept and 'Generation' not in kept
+    assert kept.endswith("_(The run was still going, or was stopped, here.)_\n")
+    # each row said as it finished
+    assert len(re.findall(r"\] (mha|linear): eager [\d.]+ ms \([\d.]+% of its floor\)$",
+                          capsys.readouterr().err, re.M)) == 2
+
+
+def test_a_stopped_roofline_keeps_the_rows_it_finished(tmp_path, monkeypatch):
+    counted = decode.counted
+    monkeypatch.setattr(decode, 'counted', lambda step, model, cache: counted(step, model, cache)
+                        if model.config.attn == 'mha' else 1 / 0)  # stops in the second layout
+    with pytest.raises(ZeroDivisionError):
+        bench_main(['decode', '--n_layer=1', '--n_head=4', '--n_embd=16', '--contexts=8',
+                    '--batch=2', '--t=8', f'--out={tmp_path}', '--layouts=mha,mqa'])
+    kept = (tmp_path / 'decode.md').read_text()
+    assert re.findall(r"^\| (\w+) \| [\d.]+ MB", kept, re.M) == ['mha']
+    assert 'Where an eager' not in kept and os.listdir(tmp_path) == ['decode.md']
 
 
 def test_results_only_with_readme(tmp_path, monkeypatch):

@@ -127,7 +127,8 @@ def roofline(layouts, sizes, batch, contexts, device, dtype, compile=False, unca
             if uncached:
                 fns[t, 'no cache'] = lambda window=idx[:, :t + 1]: model(window)[0]
         if compile:
-            progress(f"{attn}: compiling its step (on a CPU, a minute or more; MLA's, minutes)")
+            # measured on 2 CPU cores with an empty inductor cache: 20-40 s a layout, MLA's too
+            progress(f"{attn}: compiling its step (~30 s on 2 CPU cores; seconds once cached)")
         for fn in fns.values():
             fn()  # warm-up (compilation); from now on each cache holds the t + 1 keys it reads
         # floors: the machine's best round; steps: their median round
@@ -239,7 +240,7 @@ ROLES = {
     'aten::_scaled_dot_product_flash_attention_for_cpu': "the attention product over the cache",
     'aten::_scaled_dot_product_efficient_attention': "the attention product over the cache",
     'aten::_flash_attention_forward': "the attention product over the cache",
-    'aten::bmm': "batched products: the attention over the cache, MLA's W_UK and W_UV",
+    'aten::bmm': "batched products: a linear layout's state, MLA's W_UK and W_UV",
     'aten::baddbmm': "the scores q kᵀ over the cache",
     'aten::mm': "the weights: q/k/v and output projections, the MLP, the head",
     'aten::addmm': "the weights, with a bias",
@@ -288,7 +289,7 @@ def decode_profile(layouts, sizes, batch, t, device, dtype, steps=5, top=4):
                     calls[e.key] += e.count
         parts = collections.Counter()
         for key, us in self_us.items():
-            parts[part_of(key)] += us
+            parts[part_of(key, attn)] += us
         weights = sum(p.nbytes for p in model.parameters())
         ms = lambda us: f"{us / steps / 1000:.3g}"
         bandwidth = 8 * n / min(copies)
@@ -301,7 +302,8 @@ def decode_profile(layouts, sizes, batch, t, device, dtype, steps=5, top=4):
                         f"{floor(cache.nbytes)}", f"{ms(parts['weights'])} / {floor(weights)}",
                         ms(parts['the rest']), sum(calls.values()) // steps, shares))
     ops = 'kernels' if kind == 'device' else 'aten ops'
-    header = ['layout', f'{kind} ms a step', 'attention product ms / cache bytes floor ms',
+    header = ['layout', f'{kind} ms a step',
+              'attention (or state) products ms / cache bytes floor ms',
               "weights' products ms / weight bytes floor ms", 'the rest ms', f'{ops} a step',
               'the busiest (share of the step, calls a step)']
     legend = "\n".join(f"- `{key}`: {role}" for key, role in named.items())
@@ -312,11 +314,13 @@ def self_time(event, kind):  # microseconds
     return getattr(event, f'self_{kind}_time_total')
 
 
-def part_of(key):
-    """The part of a decode step a kernel or aten op does: the attention product over the cache,
-    a product with the weights (MLA's absorbed W_UK, W_UV included), or the rest."""
+def part_of(key, attn):
+    """The part of a decode step a kernel or aten op does: the attention product over the cache (a
+    linear layout's: its state's products), a product with the weights (MLA's absorbed W_UK, W_UV
+    included), or the rest."""
     low = key.lower()
-    if 'attention' in low or 'flash' in low or 'fmha' in low:
+    state = key == 'aten::bmm' and attn != 'mla'  # (MLA's bmm: its absorbed weights)
+    if 'attention' in low or 'flash' in low or 'fmha' in low or state:
         return 'attention'
     products = key in ('aten::mm', 'aten::addmm', 'aten::bmm') or 'gemm' in low
     return 'weights' if products else 'the rest'

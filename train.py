@@ -180,9 +180,9 @@ if compile:  # fullgraph: one graph for every layout, or an error (never a silen
     print("compiling the model (torch.compile, fullgraph): the first iteration waits for it",
           flush=True)
     model = torch.compile(model, fullgraph=True)
-if ddp:  # no buffer sync at each forward: the model has none (RoPE is computed per forward)
+if ddp:  # no buffers to sync at each forward (RoPE is computed per forward): DDP's defaults
     device_ids = [ddp_local_rank] if device_type == 'cuda' else None
-    model = DDP(model, device_ids=device_ids, forward_sync_buffers=False)
+    model = DDP(model, device_ids=device_ids)  # (2.13's forward_sync_buffers: not in 2.11)
 n_params = raw_model.get_num_params()
 cache_bytes_per_token = gptconf.cache_bytes(block_size, ptdtype) / block_size  # inference dtype
 # model FLOPs utilization vs an A100's bf16 peak (312 TFLOPS): PaLM's 6N + 12 L H Q T FLOPs a token

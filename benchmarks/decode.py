@@ -281,7 +281,8 @@ def decode_profile(layouts, sizes, batch, t, device, dtype, steps=5, top=4):
         self_us, calls = collections.Counter(), collections.Counter()  # by op, over the steps
         for _ in range(steps):
             copies.append(time_copy(x, y, device))
-            with torch.profiler.profile(activities=activities) as prof:
+            # (acc_events: torch 2.11 warns on stderr without it)
+            with torch.profiler.profile(activities=activities, acc_events=True) as prof:
                 step()
             for e in prof.key_averages():
                 if (kind == 'device' or e.key.startswith('aten::')) and self_time(e, kind) > 0:

@@ -562,9 +562,11 @@ def test_bench_gpu_report_writes_each_section(tmp_path):
     assert 'compiled % of floor' in report and '| nanoGPT, compiled |' in report
     assert '| ours, linear, compiled |' in report
     assert re.search(r"^\| linear \| 1 \|.* \| yes \| yes \|$", report, re.M)
-    # profile
-    assert all(re.search(rf"^\| {a} \| [\d.]+ \| \d+ \| `aten::", report, re.M)
-               for a in ('mha', 'linear'))
+    # profile: the step, its attention (or state) products and weights' products next to their
+    # floors, the rest, the ops
+    num = r"[\d.e+-]+"
+    assert all(re.search(rf"^\| {a} \| {num} \| {num} / {num} \| {num} / {num} \| {num} \| \d+ "
+                         r"\| `aten::", report, re.M) for a in ('mha', 'linear'))
     assert ('--device=cpu --dtype=float32 --batch=1 --t=8 --n_layer=1 --n_head=2 --n_embd=16 '
             '--gen_tokens=2' in report)
     assert "Not measured: fla is not installed here" in report

@@ -75,7 +75,7 @@ def main(argv=None):
     start, end = markers(args.mode)
     try:  # every flag and file checked before any work
         report.check(args, error)
-        if args.readme and not (start in readme and end in readme):
+        if args.readme and end not in readme.partition(start)[2]:  # (both, in this order)
             raise ValueError(f"no README.md here with a '{start}' ... '{end}' section to rewrite")
         os.makedirs(args.out, exist_ok=True)
         tempfile.TemporaryFile(dir=args.out).close()  # writable? (os.access says yes to root)
@@ -92,6 +92,9 @@ def main(argv=None):
         for save in PLOTS:
             save()
         write_atomic(path, text)
+        partial = os.path.join(args.out, f'{args.mode}.partial.md')  # what decode and gpu wrote
+        if os.path.isfile(partial):  # as they went: the report is whole now
+            os.remove(partial)
         if args.mode != 'gpu':  # (gpu printed each section as it finished)
             print(text.replace(MORE, '\n'))  # (the README's marker is for the file)
         if args.readme:

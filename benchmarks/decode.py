@@ -382,14 +382,15 @@ def agree(model, idx, ref, other, tol=1e-4):
 
 def decode_report(args):
     """The roofline at --batch and --t, where its eager steps' time goes, the cost vs context at
-    batch 1, and generation with and without the cache. Written to --out as it goes, each roofline
-    row said as it finishes: a run stopped midway keeps what it measured."""
+    batch 1, and generation with and without the cache. Written to --out/decode.partial.md as it
+    goes, each roofline row said as it finishes: a run stopped midway keeps what it measured, and
+    an earlier decode.md."""
     layouts, contexts, device = args.layouts, args.contexts, args.device
     dtype, sizes = getattr(torch, args.dtype), model_sizes(args)
-    path = os.path.join(args.out, 'decode.md')
+    path = os.path.join(args.out, 'decode.partial.md')  # (decode.md: the finished report)
     text = f"Machine: {machine()}. Model: {described(args)}.\n\n**Roofline of one decode step**\n\n"
 
-    def so_far(more=''):  # the finished report replaces it
+    def so_far(more=''):  # bench.py deletes it once decode.md is written
         write_atomic(path, text + more + "\n_(The run was still going, or was stopped, here.)_\n")
 
     def said(attn, runs):

@@ -44,14 +44,14 @@ def report(args):
 
 
 def gpu_report(args):
-    """Every section a GPU session needs, each written to --out/gpu.md and printed as it finishes
-    (a run stopped at its time limit keeps what it measured)."""
+    """Every section a GPU session needs, each written to --out/gpu.partial.md and printed as it
+    finishes (a run stopped at its time limit keeps what it measured, and an earlier gpu.md)."""
     device, dtype, sizes, sections = args.device, getattr(torch, args.dtype), model_sizes(args), []
     layouts, batch, t = args.layouts, args.batch, args.t
 
     def section(title, text):
         sections.append(f"**{title}**\n\n{text.strip()}\n")
-        write_atomic(os.path.join(args.out, 'gpu.md'), '\n'.join(sections))
+        write_atomic(os.path.join(args.out, 'gpu.partial.md'), '\n'.join(sections))
         print(sections[-1], flush=True)
     settings = ('device', 'dtype', 'batch', 't', 'n_layer', 'n_head', 'n_embd', 'gen_tokens')
     given = [f'--{k}={getattr(args, k)}' for k in settings]  # every setting: the command reruns it

@@ -87,6 +87,10 @@ def write_atomic(path, data, durable=False):
             os.remove(tmp)
         kept = "the old file kept, no partial file left"
         raise FileError(f"cannot write {path}: {reason}; {kept}") from None
+    except BaseException:  # an interrupt (a signal's SystemExit): no temp file left either
+        if os.path.isfile(tmp):
+            os.remove(tmp)
+        raise
 
 
 def why(e, path):

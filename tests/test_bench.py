@@ -49,6 +49,7 @@ def test_decode_report_on_a_tiny_model(tmp_path):
                 '--gen_tokens=12', '--batch=3', '--t=40', f'--out={tmp_path}',
                 f'--layouts={",".join(NAMES)}')
     assert out.startswith(saved(tmp_path / 'decode.md'))
+    assert not (tmp_path / 'decode.partial.md').exists()  # (written as it went, gone once whole)
     assert (tmp_path / 'decode.png').stat().st_size > 10_000
     assert (tmp_path / 'roofline.png').stat().st_size > 10_000
     roof = re.findall(r"\| (\w+) \| ([\d.,e+]+) MB \| ([\d.e+-]+) \| ([\d.e+-]+) \| ([\d.e+-]+) \| "
@@ -321,10 +322,13 @@ def test_bad_arguments_are_one_line(tmp_path, capsys, monkeypatch):
         with pytest.raises(SystemExit) as e:
             bench_main(['cache', '--out=/proc/self'])
         assert e.value.code == 2 and "--out '/proc/self'" in capsys.readouterr().err
-    # no README.md to rewrite here, nor train.py to run: refused before any work
+    # no README.md to rewrite here (or its markers swapped), nor train.py to run: refused before
+    # any work
     monkeypatch.chdir(tmp_path)
+    (tmp_path / 'README.md').write_text('<!-- /mqar-table -->\n<!-- mqar-table -->\n')
     for args, msg in (
         (['cache', '--readme'], "no README.md here with a '<!-- cache-table -->'"),
+        (['mqar', '--readme'], "no README.md here with a '<!-- mqar-table -->'"),  # ends swapped
         (['convert'],
          "convert runs train.py and config/ from here: run bench.py in its own folder"),
     ):
@@ -341,13 +345,15 @@ def test_a_failed_run_leaves_the_saved_plots_alone_and_keeps_what_it_measured(tm
     leaves the saved ones. Its report so far is written as it goes: each roofline row as it
     finishes, then each section."""
     (tmp_path / 'roofline.png').write_bytes(b'saved')
+    (tmp_path / 'decode.md').write_text('an earlier, finished report')
     monkeypatch.setattr(decode, 'generation', lambda *a, **k: 1 / 0)  # fails at the last section
     with pytest.raises(ZeroDivisionError):
         bench_main(['decode', '--n_layer=1', '--n_head=4', '--n_embd=16', '--contexts=8',
                     '--batch=2', '--t=8', f'--out={tmp_path}', '--layouts=mha,linear'])
-    assert sorted(os.listdir(tmp_path)) == ['decode.md', 'roofline.png']
+    assert sorted(os.listdir(tmp_path)) == ['decode.md', 'decode.partial.md', 'roofline.png']
     assert (tmp_path / 'roofline.png').read_bytes() == b'saved'
-    kept = (tmp_path / 'decode.md').read_text()
+    assert (tmp_path / 'decode.md').read_text() == 'an earlier, finished report'
+    kept = (tmp_path / 'decode.partial.md').read_text()
     assert re.findall(r"^\| (\w+) \| [\d.]+ MB", kept, re.M) == ['mha', 'linear']
     assert 'Decode cost vs context' in kept and 'Generation' not in kept
     assert kept.endswith("_(The run was still going, or was stopped, here.)_\n")
@@ -363,9 +369,9 @@ def test_a_stopped_roofline_keeps_the_rows_it_finished(tmp_path, monkeypatch):
     with pytest.raises(ZeroDivisionError):
         bench_main(['decode', '--n_layer=1', '--n_head=4', '--n_embd=16', '--contexts=8',
                     '--batch=2', '--t=8', f'--out={tmp_path}', '--layouts=mha,mqa'])
-    kept = (tmp_path / 'decode.md').read_text()
+    kept = (tmp_path / 'decode.partial.md').read_text()
     assert re.findall(r"^\| (\w+) \| [\d.]+ MB", kept, re.M) == ['mha']
-    assert 'Where an eager' not in kept and os.listdir(tmp_path) == ['decode.md']
+    assert 'Where an eager' not in kept and os.listdir(tmp_path) == ['decode.partial.md']
 
 
 def test_results_only_with_readme(tmp_path, monkeypatch):
@@ -555,6 +561,7 @@ def test_bench_gpu_report_writes_each_section(tmp_path):
                        cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, r.stderr[-3000:]
     report = open(tmp_path / 'gpu.md').read()
+    assert not (tmp_path / 'gpu.partial.md').exists()  # (written as it went, gone once whole)
     for title in ('The run', 'Roofline of one decode step', 'Generation at batch 1',
                   'Training step', "Where an eager decode step's time goes", "fla's kernels"):
         # printed as it finished, and kept

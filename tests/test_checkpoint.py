@@ -373,6 +373,20 @@ def test_links_at_our_temp_names_are_never_followed(tmp_path, char_data):
     assert not [f for f in os.listdir(out) if '.tmp' in f]
 
 
+@pytest.mark.parametrize('stop', [KeyboardInterrupt, SystemExit])
+def test_an_interrupted_write_leaves_no_temp_file(tmp_path, stop):
+    """A signal while a file is written (SystemExit from our handlers, or Ctrl-C): the old file
+    kept, no NAME.tmpPID left beside it."""
+    (tmp_path / 'report.md').write_text('old')
+
+    def interrupted(f):
+        f.write(b'half')
+        raise stop
+    with pytest.raises(stop):
+        checkpoint.write_atomic(str(tmp_path / 'report.md'), interrupted)
+    assert os.listdir(tmp_path) == ['report.md'] and (tmp_path / 'report.md').read_text() == 'old'
+
+
 def test_a_failed_save_is_one_line_and_leaves_the_old_checkpoint(tmp_path, trained, char_data):
     """A write that fails mid-checkpoint (here a 64 KiB file-size limit, as a full disk would):
     one line, exit 2, the previous ckpt.pt intact and no partial temp file left to break the next

@@ -2,8 +2,9 @@
 bench.py decode: the decode roofline, decode cost vs context, generation with and without the cache.
 
 The roofline of one cached decode step (batch 16, t=2048): the bytes it reads and the FLOPs it
-computes, against the floors measured in the same run. Then a step's cost against the context, and
-greedy generation's tokens/s.
+computes, against the floors measured alongside it; where the step's time goes (torch.profiler);
+then a step's cost against the context, and greedy generation's tokens/s. Written as it goes to
+--out/decode.partial.md (each roofline row as it finishes): a stopped run keeps what it measured.
 """
 import collections
 import copy

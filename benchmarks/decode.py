@@ -10,7 +10,6 @@ import collections
 import copy
 import os
 import statistics
-import time
 from unittest.mock import patch
 
 import torch
@@ -281,7 +280,8 @@ def decode_profile(layouts, sizes, batch, t, device, dtype, steps=5, top=4):
         step()
         self_us, calls = collections.Counter(), collections.Counter()  # by op, over the steps
         for _ in range(steps):
-            copies.append(time_copy(x, y, device))
+            # the roofline's copy, timed: it also leaves the caches full of other bytes
+            copies += take_turns({'copy': lambda: y.copy_(x)}, device, 1)['copy']
             # (acc_events: torch 2.11 warns on stderr without it)
             with torch.profiler.profile(activities=activities, acc_events=True) as prof:
                 step()
@@ -326,16 +326,6 @@ def part_of(key, attn):
         return 'attention'
     products = key in ('aten::mm', 'aten::addmm', 'aten::bmm') or 'gemm' in low
     return 'weights' if products else 'the rest'
-
-
-def time_copy(x, y, device):
-    """Seconds of one copy of x into y: it also leaves the caches full of other bytes."""
-    sync = torch.cuda.synchronize if device.startswith('cuda') else (lambda: None)
-    sync()
-    start = time.perf_counter()
-    y.copy_(x)
-    sync()
-    return time.perf_counter() - start
 
 
 # --- generation with and without the cache --------------------------------------------------------

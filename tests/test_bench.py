@@ -71,7 +71,9 @@ def test_decode_report_on_a_tiny_model(tmp_path):
     flops = {r[0]: float(r[2]) for r in roof}
     # absorbed MLA: per head, d_c + d_R per key for the score and d_c for the value
     assert flops['mla'] > flops['mha']
-    costs = re.findall(r"\| (\w+) \| ([\d.e-]+) / ([\d.,]+) \| ([\d.e-]+) / ([\d.,]+) \|", out)
+    # (anchored: a profile row whose step prints as an integer must not match)
+    costs = re.findall(r"^\| ([a-z_]+) \| ([\d.e-]+) / ([\d.,]+) \| ([\d.e-]+) / ([\d.,]+) \|", out,
+                       re.M)
     assert [c[0] for c in costs] == NAMES
     gen = re.findall(r"\| (\w+) \| (1|8) \| [\d.,]+ \| [\d.,]+ \| [\d.]+x \| yes \|", out)
     # identical greedy tokens with and without the cache, batch 1 and 8

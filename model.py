@@ -34,6 +34,17 @@ LINEAR_RULES = {
     'deltanet':       (None,    True),   # DeltaNet (Schlag et al. 2021; Yang et al. 2024): β_t
     'gated_deltanet': ('gate',  True),   # Gated DeltaNet (Yang, Kautz, Hatamizadeh 2024): both
 }  # α's formulas: ops/linear.py's retnet_decay and mamba2_gate
+# What one layer caches, in elements (batch 1): GPTConfig.cache_elements, and bench.py cache's
+# published models, count with these.
+def kv_elements(T, n_kv_head, d_k, d_v):  # softmax: a key and a value per K/V head and token
+    return n_kv_head * (d_k + d_v) * T
+
+def latent_elements(T, d_c, d_R):  # MLA: [c | k_R] per token, shared by every head
+    return (d_c + d_R) * T
+
+def state_elements(n_head, d_k, d_v, conv_channels=0, conv_size=1):  # linear: whatever T
+    return n_head * d_k * d_v + conv_channels * (conv_size - 1)  # + the short conv's last inputs
+
 # the fields only some layouts use, and their defaults
 LAYER_FIELDS = {'n_kv_head': 0, 'kv_lora_rank': 0, 'rope_head_dim': 0, 'q_lora_rank': 0, 'conv_size': 4}
 
@@ -190,7 +201,7 @@ class CausalSelfAttention(Attention):
 
     @staticmethod
     def cache_elements(c, layout, T):  # K and V of the n_kv_head heads
-        return 2 * c.n_kv_head * c.head_dim * T
+        return kv_elements(T, c.n_kv_head, c.head_dim, c.head_dim)
 
     def __init__(self, config, layout=None):
         super().__init__(config)
@@ -228,10 +239,10 @@ class LinearAttention(Attention):
         return ('chunk_size', 'linear_kernels') + ('conv_size',) * (layout != 'linear')
 
     @staticmethod
-    def cache_elements(c, layout, T):  # a state per head whatever T, + z or the conv's inputs
+    def cache_elements(c, layout, T):  # a state per head, + z (a column of S) or the conv's inputs
         if layout == 'linear':
-            return c.n_head * c.head_dim * (c.head_dim + 1)
-        return c.n_head * c.head_dim * c.head_dim + 3 * c.n_embd * (c.conv_size - 1)
+            return state_elements(c.n_head, c.head_dim, c.head_dim + 1)
+        return state_elements(c.n_head, c.head_dim, c.head_dim, 3 * c.n_embd, c.conv_size)
 
     def __init__(self, config, layout):
         super().__init__(config)
@@ -318,7 +329,7 @@ class MultiHeadLatentAttention(Attention):
 
     @staticmethod
     def cache_elements(c, layout, T):  # [c | k_R], shared by every head
-        return (c.kv_lora_rank + c.rope_head_dim) * T
+        return latent_elements(T, c.kv_lora_rank, c.rope_head_dim)
 
     def __init__(self, config, layout=None):
         super().__init__(config)

@@ -1,25 +1,60 @@
 """
-bench.py cache: cache bytes per token, the model's formula next to a real cache.
+bench.py cache: cache bytes per token, the model's formula next to a real cache, and real models.
 
 Per layout, the cache GPTConfig.cache_elements predicts, and a real cache's nbytes after
-block_size tokens.
+block_size tokens. Then published models (Hugging Face config.json files: models/ holds some) and
+a model given by its sizes (default: the founding chapter's 7B-class model): the cache per token and
+at --context tokens for --batch sequences, next to the weights, as published and re-laid out as
+each of our layouts. The same formulas as GPTConfig's (model.py).
+
+    python bench.py cache --models=path/to/config.json --context=32768 --batch=8
+    python bench.py cache --sizes=n_layer=80,n_head=64,n_kv_head=8,head_dim=128,params=70e9
 """
+import os
+
 import torch
 
-from benchmarks.common import HYBRID, LAYOUTS, MORE, add_layouts, row, table
+from benchmarks.common import HYBRID, LAYOUTS, MORE, ROOT, add_layouts, count, flag, row, table
+from benchmarks.models import CHAPTER, ModelError, from_sizes, read_config
+from configurator import checked
 from model import GPT, GPTConfig
+
+DTYPES = {'float32': torch.float32, 'bfloat16': torch.bfloat16, 'float16': torch.float16,
+          'float8': torch.float8_e4m3fn}
+KiB, GiB = 2 ** 10, 2 ** 30
 
 
 def add_arguments(p):
     add_layouts(p)
+    flag(p, 'models', os.path.relpath(os.path.join(ROOT, 'models')), str,
+         "published config.json files (or folders of them), comma-separated")
+    flag(p, 'sizes', CHAPTER, str, "a softmax model by its sizes: n_layer, n_head, head_dim "
+         "[, n_kv_head, params]")
+    flag(p, 'context', 8192, count, 'tokens in the cache')
+    flag(p, 'batch', 1, count, 'sequences')
+    flag(p, 'dtype', 'bfloat16', checked(DTYPES.__getitem__, bool, f"choose from {', '.join(DTYPES)}"),
+         "the cached keys' and values' type (a linear layer's state: float32 at least)")
 
 
 def check(args, error):
-    """Nothing to check but the flags: it builds the default models, on a CPU."""
+    """Every config read before any work: one line for the first one we cannot read."""
+    paths = []
+    for path in args.models.split(',') if args.models else []:
+        paths += sorted(os.path.join(path, f) for f in os.listdir(path)
+                        if f.endswith('.json')) if os.path.isdir(path) else [path]
+    try:
+        args.published = [from_sizes(args.sizes)] * bool(args.sizes) + [read_config(p) for p in paths]
+    except ModelError as e:
+        error(str(e))
 
 
 def report(args):
-    return cache_report(args.layouts)
+    text = cache_report(args.layouts)
+    head, more = text.split(MORE)
+    models = [m for m in args.published if m.source]
+    if models:
+        head += "\n" + models_line(models, args) + "\n"
+    return head + MORE + more + "".join(model_section(m, args) for m in args.published)
 
 
 @torch.no_grad()
@@ -63,3 +98,74 @@ def cache_report(layouts=LAYOUTS):
                      + " bytes (fp32) at any T.")
     return (f"{config}; cache of 1 sequence after T={T} tokens, float32 (a linear layer's state is "
             f"float32 in every dtype).\n\n{headline}\n{MORE}\n" + table(header, rows))
+
+
+# --- real models ----------------------------------------------------------------------------------
+
+def relaid(m):
+    """Our layouts at a published model's sizes: {name: GPTConfig or None where it cannot be}."""
+    shape = dict(n_layer=m.n_layer, n_head=m.n_head, n_embd=m.n_head * m.head_dim, block_size=1)
+    gqa = m.n_head // 4  # groups of 4 query heads: the chapter's 8 of 32
+    layouts = {'mha': {}, f'gqa, {gqa} K/V heads': dict(n_kv_head=gqa), 'mqa': {}, 'mla': {},
+               'gated_deltanet': {}, 'hybrid': dict(n_kv_head=gqa)}
+    cfgs = {}
+    for name, extra in layouts.items():
+        try:
+            cfgs[name] = GPTConfig(attn=LAYOUTS[name.split(',')[0]], **shape, **extra)
+        except ValueError:  # (71 heads have no groups of 4)
+            cfgs[name] = None
+    return cfgs
+
+
+def kib(n):
+    return f"{n / KiB:,.2f}".rstrip('0').rstrip('.')
+
+
+def keeps(cfg):
+    """What each layer of a re-laid-out model keeps, said as the published ones are."""
+    d, H = cfg.head_dim, cfg.n_head
+    said = {'mla': f"MLA, d_c {cfg.kv_lora_rank} + d_R {cfg.rope_head_dim}",
+            'gated_deltanet': f"Gated DeltaNet, {H} heads of {d} x {d}"}
+    return ' + '.join(f"{n} x " + said.get(a, f"softmax, {cfg.n_kv_head} K/V heads of {d}")
+                      for a, n in cfg.layer_counts().items())
+
+
+def model_rows(m, args):
+    """(layout, what it keeps, bytes per token, bytes at --context x --batch) as published, then
+    re-laid out."""
+    T, B, size = args.context, args.batch, args.dtype.itemsize
+    published, state = m.cache_bytes(T, size), m.cache_bytes(0, size)
+    rows = [('as published' if m.source else 'as given', m.layout(), (published - state) // T, published * B)]
+    for name, cfg in relaid(m).items():
+        if cfg is None:
+            rows.append((name, f"{m.n_head} query heads have no groups of 4", None, None))
+            continue
+        total, state = cfg.cache_bytes(T, args.dtype), cfg.cache_bytes(0, args.dtype)
+        rows.append((name, keeps(cfg), (total - state) // T, total * B))
+    return rows
+
+
+def model_section(m, args):
+    weights = m.params * args.dtype.itemsize
+    header = ['layout', 'what each layer keeps', 'KiB / token', f'GiB at {args.context:,} tokens'
+              + f' x {args.batch}' * (args.batch > 1), 'cache / weights' * bool(weights)]
+    lines = []
+    for name, what, per_tok, total in model_rows(m, args):
+        cells = [name, what, '—' if per_tok is None else kib(per_tok),
+                 '—' if total is None else f"{total / GiB:,.2f}"]
+        lines.append(row(*cells, *[f"{total / weights:.2f}" if total else '—'] * bool(weights)))
+    about = (f"{m.params / 1e9:,.1f}B parameters, {weights / GiB:,.1f} GiB of weights at "
+             f"{args.dtype.itemsize * 8} bits; " if weights else '')
+    notes = ''.join(f"; {n}" for n in m.notes)
+    return (f"\n**{m.name}**: {about}{m.n_layer} layers, {m.n_head} query heads of {m.head_dim}; "
+            f"caches at {args.dtype.itemsize * 8} bits{notes}.\n\n"
+            + table([h for h in header if h], [ln.replace(' |  |', ' |') for ln in lines]))
+
+
+def models_line(models, args):
+    """The README's line: what each published model keeps per token."""
+    said = [f"{m.name} {kib(model_rows(m, args)[0][2])}" + ' + a fixed state' * any(s for *_, s in m.groups)
+            for m in models]
+    return (f"Published models ({args.models}), as published, KiB per token at {args.dtype.itemsize * 8} "
+            f"bits: {', '.join(said)}; each next to its weights and re-laid out as our layouts in the "
+            "whole report.")

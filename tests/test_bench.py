@@ -1,4 +1,5 @@
 """bench.py runs on tiny configs and writes its tables and plots (no timing is asserted)."""
+import argparse
 import fcntl
 import json
 import os
@@ -14,8 +15,9 @@ import torch
 
 from bench import main as bench_main
 import ops.softmax
-from benchmarks import decode, mqar, train
+from benchmarks import cache as bench_cache, decode, mqar, train
 from benchmarks.common import LAYOUTS, MORE, readme_section
+from benchmarks.models import CHAPTER, from_sizes, read_config
 from benchmarks.timing import take_turns
 from conftest import ROOT, digest, one_line, run
 from model import GPT, GPTConfig
@@ -165,8 +167,11 @@ def test_cache_report(tmp_path):
     # 2 * n_layer * h_kv * d_k
     per_token = dict(re.findall(r"^\| (mha|mqa) \| \d+ \| ([\d,]+) \|", out, re.M))
     assert per_token == {'mha': f"{2 * 6 * 6 * 64:,}", 'mqa': f"{2 * 6 * 1 * 64:,}"}
-    ratios = re.findall(r"^\| (mha|gqa|mqa|mla|linear) \| .* \| ([\d.]+) \|$", out, re.M)
+    ratios = re.findall(r"^\| (mha|gqa|mqa|mla|linear) \| .* \| ([\d.]+) \|$", out.split('**')[0], re.M)
     assert ratios == [('mha', '1.000'), ('mqa', '1.000')]  # measured / formula
+    # then the chapter's model and the published ones, each re-laid out
+    assert "| mla | 32 x MLA, d_c 512 + d_R 64 | 36 | 0.28 | 0.02 |" in out
+    assert re.search(r"^\*\*qwen3-next-80b-a3b\*\*: 79.7B parameters", out, re.M)
 
 
 def test_train_report_on_a_tiny_model(tmp_path, char_data):
@@ -732,3 +737,79 @@ def test_bench_mqar_stopped_ends_its_workers_and_deletes_its_data(tmp_path, sig,
     assert not data()
     time.sleep(1)
     assert not [w for w in started if alive(w)]
+
+
+def test_the_chapters_cache_table():
+    """The founding chapter's table (7B-class: 32 layers, 32 query heads, d_k 128, 16 bits, 8,192
+    tokens; weights 13.0 GiB), as bench.py cache prints it."""
+    args = argparse.Namespace(context=8192, batch=1, dtype=torch.bfloat16, models='')
+    model = from_sizes(CHAPTER)
+    rows = {name.split(',')[0]: (bench_cache.kib(per_token), f"{total / 2 ** 30:.2f}")
+            for name, _, per_token, total in bench_cache.model_rows(model, args)}
+    chapter = {'mha': ('512', '4.00'), 'gqa': ('128', '1.00'), 'mqa': ('16', '0.12'),
+               'mla': ('36', '0.28')}
+    assert {k: rows[k] for k in chapter} == chapter
+    assert '13.0 GiB of weights at 16 bits' in bench_cache.model_section(model, args)
+
+
+def test_published_models_caches():
+    """What each published config keeps, from its own fields."""
+    read = lambda name: read_config(os.path.join(ROOT, 'models', f'{name}.json'))
+    size = 2  # 16 bits
+    assert read('llama-3-8b').cache_bytes(1, size) == 32 * 2 * 8 * 128 * size
+    assert read('falcon-7b').cache_bytes(1, size) == 32 * 2 * 1 * 64 * size  # multi_query
+    # a 4,096-token window: no more past it
+    mistral = read('mistral-7b-v0.1')
+    assert mistral.cache_bytes(8192, size) == mistral.cache_bytes(4096, size) == 4096 * 32 * 2 * 8 * 128 * size
+    # MLA: [c | k_R] per layer, never K and V per head
+    assert read('deepseek-v3').cache_bytes(1, size) == 61 * (512 + 64) * size
+    # 12 softmax layers (2 K/V heads of 256) and 36 Gated DeltaNet layers: a float32 state of 32 heads
+    # of 128 x 128, and the conv's last 3 inputs of q, k (16 heads) and v (32 heads)
+    qwen = read('qwen3-next-80b-a3b')
+    state = 36 * (32 * 128 * 128 + (2 * 16 * 128 + 32 * 128) * 3) * 4
+    assert qwen.cache_bytes(0, size) == state
+    assert qwen.cache_bytes(10, size) == state + 10 * 12 * 2 * 2 * 256 * size
+
+
+def test_published_models_weights_as_transformers_counts_them():
+    transformers = pytest.importorskip('transformers')
+    folder = os.path.join(ROOT, 'models')
+    for path in sorted(os.path.join(folder, f) for f in os.listdir(folder) if f.endswith('.json')):
+        config = json.load(open(path))
+        config.pop('quantization_config', None)
+        hf = transformers.AutoConfig.for_model(config.pop('model_type'), **config)
+        with torch.device('meta'):
+            model = transformers.AutoModelForCausalLM.from_config(hf)
+        assert read_config(path).params == sum(p.numel() for p in model.parameters()), path
+
+
+def test_a_config_the_calculator_cannot_read_is_one_line(tmp_path, capsys):
+    llama = json.load(open(os.path.join(ROOT, 'models', 'llama-3-8b.json')))
+    cases = {
+        'bert.json': (dict(llama, model_type='bert'), "model_type 'bert' is not one bench.py cache reads"),
+        'chunked.json': (dict(llama, attention_chunk_size=8192),
+                         "'attention_chunk_size' changes what a layer caches"),
+        'vlm.json': (dict(llama, text_config={}), "'text_config' changes what a layer caches"),
+        'short.json': ({k: v for k, v in llama.items() if k != 'num_hidden_layers'},
+                       "a llama config needs 'num_hidden_layers'"),
+        'zero.json': (dict(llama, num_key_value_heads=0, head_dim=-1), "its sizes are not positive"),
+        'list.json': ([], "not a config.json"),
+        'types.json': (dict(llama, layer_types=['full_attention', 'chunked_attention'] * 16),
+                       "layer_types ['chunked_attention', 'full_attention']"),
+    }
+    for name, (config, msg) in cases.items():
+        (tmp_path / name).write_text(json.dumps(config))
+    (tmp_path / 'broken.json').write_text('{"model_type": "llama",')
+    cases['broken.json'] = (None, 'cannot read')
+    for name, (_, msg) in cases.items():
+        with pytest.raises(SystemExit) as e:
+            bench_main(['cache', f'--models={tmp_path / name}', f'--out={tmp_path}'])
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and msg in err and len(err.strip().splitlines()) == 1, err
+    for sizes, msg in [('n_layer=32,n_head=32', "head_dim=N"), ('n_layer=32,n_head=32,head_dim=x',
+                       "sizes are numbers"), ('n_layer=2,n_head=6,head_dim=8,n_kv_head=4', "dividing")]:
+        with pytest.raises(SystemExit):
+            bench_main(['cache', '--models=', f'--sizes={sizes}', f'--out={tmp_path}'])
+        err = capsys.readouterr().err
+        assert msg in err and len(err.strip().splitlines()) == 1, err
+    assert not list(tmp_path.glob('*.md'))  # nothing written

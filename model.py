@@ -68,6 +68,7 @@ class GPTConfig:
     n_embd: int = 384          # width of the residual stream (head_dim = n_embd / n_head)
     dropout: float = 0.0
     bias: bool = False         # bias in Linears and LayerNorms, like GPT-2
+    gelu_tanh: bool = False    # the MLP's GELU by its tanh approximation (GPT-2's 'gelu_new')
     attn: str = 'mha'          # a layout, or a hybrid 'gated_deltanet*3+gqa': per layer, repeated
     n_kv_head: int = 0         # K/V heads; 0 = mha n_head, gqa n_head's smallest divisor > 1, mqa 1
     pos_emb: str = 'rope'      # 'rope', or nanoGPT's 'learned' absolute positions
@@ -388,7 +389,7 @@ class MLP(nn.Module):
         super().__init__()
         hidden = mlp_hidden(config)
         self.c_fc = nn.Linear(config.n_embd, hidden, bias=config.bias)
-        self.gelu = nn.GELU()
+        self.gelu = nn.GELU(approximate='tanh' if config.gelu_tanh else 'none')
         self.c_proj = nn.Linear(hidden, config.n_embd, bias=config.bias)
         self.dropout = nn.Dropout(config.dropout)
 

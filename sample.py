@@ -6,6 +6,7 @@ Sample from a trained checkpoint, with or without the cache, or both side by sid
     python sample.py --use_cache=False                   # re-run the window each step
     python sample.py --compare                           # both ways: same tokens? speed? bytes?
     python sample.py --start=FILE:prompt.txt --num_samples=1 --temperature=0
+    python sample.py --init_from=gpt2-xl --start="What is the answer?"  # pip install -r requirements-hf.txt
 """
 from run.interrupts import exit_at_once, memory_errors_in_one_line
 
@@ -24,7 +25,8 @@ from configurator import duration, fail, fail_on
 from data.common import PrepareError, check_meta, prompt, tokenizer
 from model import GPT
 from ops.sampling import stream
-from run.checkpoint import to_sample, weights
+from run.checkpoint import FileError, to_sample, weights
+from run.gpt2 import gpt2
 from run.interrupts import end_on_lost_output, exit_on_signals, on_closed_output
 from run.settings import num_params
 
@@ -32,6 +34,7 @@ exit_on_signals()  # imported: Ctrl-C a KeyboardInterrupt again (said in one lin
 
 # -----------------------------------------------------------------------------
 out_dir = ''                # '' = the newest checkpoint under ./out*/
+init_from = ''              # or GPT-2's weights: gpt2, gpt2-medium/-large/-xl, a save_pretrained folder
 start = "\n"               # the prompt, or FILE:path to read it from a file
 num_samples = 10           # samples, one batch row each
 max_new_tokens = 500       # tokens generated per sample
@@ -58,13 +61,19 @@ rules = [('max_new_tokens', max_new_tokens >= 0, '>= 0'), ('top_k', top_k >= 1, 
          ('seed', 0 <= seed < 2 ** 62, 'in [0, 2**62)'), ('num_samples', num_samples >= 1, '>= 1'),
          ('max_new_tokens', max_new_tokens >= 1 or not compare, '>= 1 with --compare'),
          ('use_cache', use_cache or not compare, 'True with --compare (it runs both ways)'),
-         ('linear_kernels', linear_kernels in ('fla', 'torch'), "'fla' or 'torch'")]
+         ('linear_kernels', linear_kernels in ('fla', 'torch'), "'fla' or 'torch'"),
+         ('init_from', not (init_from and out_dir), "'' with an --out_dir (one model or the other)")]
 for name, ok, rule in rules:
     if not ok:
         fail(f"{name}={globals()[name]!r} must be {rule}")
 check_device(device, dtype)
 
-ckpt_path, ckpt, cfg = to_sample(out_dir, device)  # with no out_dir, the newest of ./out*/, named
+if init_from:  # GPT-2, through transformers
+    with fail_on(FileError):
+        cfg, state, meta = gpt2(init_from)
+    ckpt_path, ckpt = init_from, {'model': state, 'meta': meta}
+else:  # with no out_dir, the newest of ./out*/, named
+    ckpt_path, ckpt, cfg = to_sample(out_dir, device)
 
 ptdtype = getattr(torch, dtype)  # (checked: float32, bfloat16 or float16)
 # sized before it is built: the weights; per sample, a full cache and a window's activations

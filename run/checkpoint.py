@@ -244,8 +244,10 @@ def load_weights(model, optimizer, ckpt, converted, source):
         if converted:
             model.load_state_dict(converted)
             c = model.config
-            print(f"converted {source} (mha, {c.n_head} K/V heads) to {c.attn} with {c.n_kv_head} "
-                  "K/V heads by mean-pooling")
+            how = (f" (d_c {c.kv_lora_rank} + d_R {c.rope_head_dim}) by a joint SVD of its keys and "
+                   "values" if c.attn == 'mla' else f" with {c.n_kv_head} K/V heads by mean-pooling")
+            print(f"converted {source} (mha, {c.n_head} K/V heads) to {c.attn}{how}" if c.attn != 'mha'
+                  else f"starting from {source}'s weights")
     except (RuntimeError, ValueError, KeyError, TypeError, AttributeError) as e:
         fail(f"cannot {f'resume from {source}' if ckpt else f'convert {source}'}: {describe(e)}")
 

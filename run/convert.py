@@ -1,6 +1,9 @@
 """
-MHA -> GQA / MQA conversion (Ainslie et al. 2023), used by `train.py --init_from=<mha out_dir>`.
+Conversions of an MHA model, used by `train.py --init_from=SOURCE` (an out_dir with an MHA ckpt.pt,
+or GPT-2: run/gpt2.py): to GQA / MQA by mean-pooling K/V heads (Ainslie et al. 2023), to MLA by a
+joint low-rank factorisation of the keys and values (as MHA2MLA, Ji et al. 2025).
 """
+import math
 import os
 
 import torch
@@ -9,6 +12,7 @@ from configurator import describe, fail, fail_on
 from data.common import PrepareError, open_data
 from model import GPTConfig
 from run.checkpoint import RESUME, FileError, read_checkpoint, trained_on, weights
+from run.gpt2 import gpt2, is_gpt2
 
 SHAPE = ('block_size', 'n_layer', 'n_head', 'n_embd', 'pos_emb', 'bias')  # said as it starts
 
@@ -32,42 +36,114 @@ def pool_kv_heads(state_dict, config, n_kv_head):
     return out
 
 
+def to_mla(state_dict, config, mla):
+    """MHA (config) -> MLA (mla: its GPTConfig, without q_lora_rank). Per layer, with d = head_dim:
+    - the decoupled RoPE part: the MHA's pairs whose frequencies MLA's d_R-wide RoPE turns at (every
+      (d / d_R)-th pair: theta^(-2i/d_R) = theta^(-2 (i d / d_R) / d)) become q_R, and the heads'
+      mean of their keys the shared k_R; the other pairs of q and k lose their rotation. (Learned
+      positions, GPT-2's, rotate nothing: the same split, each head's keys there shared.)
+    - the rest of the keys and the values: one SVD of [W_K; W_V] truncated to rank d_c: the latent
+      c = V_rᵀ x, W_UK and W_UV = U_r Σ_r. The latent's RMSNorm gain is c's expected RMS, so that
+      norm(c) ~ c (exact only for a token whose c has that RMS).
+    - biases: V's moves into c_proj's (attention weights sum to 1); K's is dropped (the same for every
+      key of a query: no change to its softmax, up to RoPE's turn of it).
+    - q times sqrt((d + d_R) / d): MLA scales scores by 1 / sqrt(d + d_R), MHA by 1 / sqrt(d)."""
+    H, d, C, dc, dR = config.n_head, config.head_dim, config.n_embd, mla.kv_lora_rank, mla.rope_head_dim
+    if config.attn != 'mha' or mla.q_lora_rank or d % dR:
+        raise ValueError(f"MHA -> MLA takes an 'mha' model to MLA without q_lora_rank, rope_head_dim "
+                         f"dividing head_dim={d}; not attn={config.attn!r}, q_lora_rank={mla.q_lora_rank}, "
+                         f"rope_head_dim={dR}")
+    pairs = torch.arange(0, d // 2, d // dR)                        # the pairs RoPE keeps
+    rope = torch.stack([2 * pairs, 2 * pairs + 1], 1).flatten()     # (dR,) dims of a head
+    nope = torch.tensor([i for i in range(d) if i not in set(rope.tolist())])  # (d - dR,)
+    out = {k: v for k, v in state_dict.items() if '.attn.c_attn.' not in k}
+    for name in [k for k in state_dict if k.endswith('.attn.c_attn.weight')]:
+        layer, bias = name.removesuffix('c_attn.weight'), state_dict.get(name.replace('weight', 'bias'))
+        w = state_dict[name].double().view(3, H, d, C)             # q, k, v heads' rows
+        b = bias.double().view(3, H, d) if bias is not None else None
+        q_scale = math.sqrt((d + dR) / d)
+        # q: [nope (padded with zeros to d) | rope] per head
+        q_w = torch.zeros(H, d + dR, C, dtype=w.dtype)
+        q_w[:, :d - dR], q_w[:, d:] = w[0][:, nope], w[0][:, rope]
+        # K without RoPE's pairs, and V: one latent
+        kv = torch.cat([w[1][:, nope].reshape(-1, C), w[2].reshape(-1, C)])  # (H(d - dR) + H d, C)
+        U, S, Vh = torch.linalg.svd(kv, full_matrices=False)
+        r = min(dc, len(S))
+        down = torch.zeros(dc, C, dtype=w.dtype)
+        down[:r] = Vh[:r]
+        up = torch.zeros(len(kv), dc, dtype=w.dtype)
+        up[:, :r] = U[:, :r] * S[:r]
+        k_up = torch.zeros(H, d, dc, dtype=w.dtype)
+        k_up[:, :d - dR] = up[:H * (d - dR)].view(H, d - dR, dc)
+        # the latent's RMS for ln_1's output γ n + β (n: zero mean, unit variance over channels)
+        gamma, beta = state_dict[layer.replace('attn.', 'ln_1.weight')].double(), state_dict.get(
+            layer.replace('attn.', 'ln_1.bias'))
+        power = (down * gamma).square().sum(1) + (0 if beta is None else (down @ beta.double()).square())
+        out[layer + 'c_q.weight'] = (q_scale * q_w).flatten(0, 1)
+        out[layer + 'kv_down.weight'] = torch.cat([down, w[1][:, rope].mean(0)])
+        out[layer + 'kv_norm.weight'] = power.mean().sqrt().expand(dc).clone()
+        out[layer + 'k_up.weight'] = k_up.flatten(0, 1)
+        out[layer + 'v_up.weight'] = up[H * (d - dR):]
+        if b is not None:
+            q_b = torch.zeros(H, d + dR, dtype=w.dtype)
+            q_b[:, :d - dR], q_b[:, d:] = b[0][:, nope], b[0][:, rope]
+            out[layer + 'c_q.bias'] = (q_scale * q_b).flatten()
+            out[layer + 'kv_down.bias'] = torch.cat([torch.zeros(dc, dtype=w.dtype), b[1][:, rope].mean(0)])
+            proj = layer + 'c_proj.'
+            out[proj + 'bias'] = state_dict[proj + 'bias'].double() + state_dict[proj + 'weight'].double() @ b[2].flatten()
+    dtype = next(iter(state_dict.values())).dtype
+    return {k: v.to(dtype) for k, v in out.items()}
+
+
 def conversion(init_from, device, meta, data_dir, remake, config, given):
-    """(GPTConfig, weights) of the model `train.py --init_from=DIR` starts from: DIR's MHA ckpt.pt
-    with this run's attn, K/V heads and dropout, its K/V heads mean-pooled; its shape (and MLP)
-    kept, a flag asking for another refused."""
+    """(GPTConfig, weights) of the model `train.py --init_from=SOURCE` starts from: SOURCE's MHA
+    (DIR/ckpt.pt, or GPT-2) re-laid out as this run's attn with its K/V sizes and dropout; its shape
+    (and MLP) kept, a flag asking for another refused, but a smaller block_size (learned positions:
+    their first rows, as nanoGPT's crop_block_size)."""
     with fail_on(FileError):
-        source, cfg = read_checkpoint(os.path.join(init_from, 'ckpt.pt'), device, RESUME)
+        if is_gpt2(init_from):
+            cfg, state, source_meta = gpt2(init_from)
+            source = {'meta': source_meta}
+        else:
+            source, cfg = read_checkpoint(os.path.join(init_from, 'ckpt.pt'), device, RESUME)
+            state = weights(source)
     attn = config['attn']
-    if attn not in ('mha', 'gqa', 'mqa'):
-        fail(f"converting {init_from} pools K/V heads: attn must be mha, gqa or mqa, not {attn!r}")
+    if attn not in ('mha', 'gqa', 'mqa', 'mla'):
+        fail(f"converting {init_from} re-lays out its keys and values: attn must be mha, gqa, mqa or "
+             f"mla, not {attn!r}")
     if source.get('meta') != meta:  # the same tokens, not only as many
         vocab = meta['vocab_size']
         ours = "as many, other ones" if cfg.vocab_size == vocab else f"{vocab:,}"
         fail(f"converting {init_from} needs its vocabulary: it has {cfg.vocab_size} tokens "
              f"({trained_on(source)}), the data in {data_dir} {ours}")
-    # the data against the source's block_size (train.py checked it against the flag's)
-    if cfg.block_size > config['block_size']:
-        with fail_on(PrepareError):
-            open_data(data_dir, cfg.block_size, remake)
-    # this run's: the layout, its K/V heads and dropout; the source's: the rest of its shape
+    # this run's: the layout, its K/V sizes and dropout, a smaller block_size; the source's: the rest
+    block_size = min(config['block_size'], cfg.block_size) if 'block_size' in given else cfg.block_size
     own = dict(attn=attn, n_kv_head=config['n_kv_head'], match_mha_params=False,
-               dropout=config['dropout'])
+               dropout=config['dropout'], block_size=block_size,
+               **{k: config[k] for k in ('kv_lora_rank', 'rope_head_dim', 'q_lora_rank')})
+    # the data against that block_size (train.py checked it against the flag's)
+    if block_size > config['block_size']:
+        with fail_on(PrepareError):
+            open_data(data_dir, block_size, remake)
     shape = {k: v for k, v in vars(cfg).items() if k != 'vocab_size'}
     def asked(k):  # how this run asked for k: a flag, or a config file's line
         by = given[k]
         return f"--{k}={config[k]}" if by.startswith('--') else f"{k}={config[k]} of {by}"
-    conflicts = [f"{asked(k)} (the checkpoint has {v})"
-                 for k, v in shape.items() if k in given and k not in own and config[k] != v]
+    longer = config['block_size'] > cfg.block_size  # (positions it never learned)
+    conflicts = [f"{asked(k)} (the checkpoint has {v})" for k, v in shape.items()
+                 if k in given and (k not in own and config[k] != v or k == 'block_size' and longer)]
     if conflicts:
         fail(f"converting {init_from} keeps its shape: drop {', '.join(conflicts)}")
     print(f"the shape of {init_from}: " + ' '.join(f"{k}={shape[k]}" for k in SHAPE))
     try:
-        # this run's K/V heads, the source's n_head
+        # this run's K/V sizes, the source's n_head
         gptconf = GPTConfig(vocab_size=meta['vocab_size'], **{**shape, **own})
-        pooled = pool_kv_heads(weights(source), cfg, gptconf.n_kv_head)
+        if cfg.pos_emb == 'learned':
+            state = dict(state, **{'transformer.wpe.weight': state['transformer.wpe.weight'][:block_size]})
+        if attn == 'mla':
+            return gptconf, to_mla(state, cfg, gptconf)
+        return gptconf, pool_kv_heads(state, cfg, gptconf.n_kv_head)
     except ValueError as e:
         fail(f"converting {init_from}: {e}")
     except (RuntimeError, KeyError, TypeError, AttributeError) as e:  # (crafted files)
         fail(f"cannot convert {init_from}: {describe(e)}")
-    return gptconf, pooled

@@ -17,6 +17,7 @@ from configurator import check_memory, fail
 from model import LINEAR_RULES, Block, GPTConfig
 from ops.linear_fla import fla_runs
 from run.checkpoint import FileError, in_use, model_flags, read_checkpoint
+from run.gpt2 import is_gpt2
 
 # (key, the rule as a test of its value and the config, the rule in words)
 RANGES = (
@@ -79,10 +80,12 @@ def check_model(config, previous):
 
 
 def check_conversion(c):
-    """init_from names an out_dir with an MHA ckpt.pt; the converted model gets a folder of its own."""
-    if not os.path.isfile(os.path.join(c.init_from, 'ckpt.pt')):
-        fail(f"init_from={c.init_from!r} should be 'scratch', 'resume', or an out_dir with an MHA "
-             "ckpt.pt to convert")
+    """init_from names an out_dir with an MHA ckpt.pt, or GPT-2; the converted model gets a folder
+    of its own."""
+    if not (os.path.isfile(os.path.join(c.init_from, 'ckpt.pt')) or is_gpt2(c.init_from)):
+        fail(f"init_from={c.init_from!r} should be 'scratch', 'resume', an out_dir with an MHA "
+             "ckpt.pt to convert, or GPT-2 (gpt2, gpt2-medium, -large, -xl, or a save_pretrained "
+             "folder)")
     if os.path.realpath(c.init_from) == os.path.realpath(c.out_dir):
         fail(f"out_dir={c.out_dir!r} holds the checkpoint being converted; give the converted model "
              "its own out_dir")

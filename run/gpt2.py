@@ -1,0 +1,53 @@
+"""
+GPT-2's published weights in our GPT, as nanoGPT's from_pretrained: `--init_from=gpt2` (or
+gpt2-medium, gpt2-large, gpt2-xl: downloaded once by Hugging Face transformers, an optional
+dependency: requirements-hf.txt), or a folder that transformers' save_pretrained wrote (no network).
+"""
+import os
+
+from configurator import describe
+from model import GPTConfig
+from run.checkpoint import FileError
+
+NAMES = ('gpt2', 'gpt2-medium', 'gpt2-large', 'gpt2-xl')
+# GPT-2's BPE, as data/shakespeare/prepare.py writes it to meta.json
+META = {'kind': 'tiktoken', 'encoding': 'gpt2', 'vocab_size': 50257}
+# transformers' Conv1D keeps its weight as (in, out): nn.Linear's transposed
+CONV1D = ('attn.c_attn.weight', 'attn.c_proj.weight', 'mlp.c_fc.weight', 'mlp.c_proj.weight')
+GELU = {'gelu_new': True, 'gelu_pytorch_tanh': True, 'gelu': False}  # tanh approximation?
+
+
+def is_gpt2(init_from):
+    """A GPT-2 by name, or a save_pretrained folder (its config.json; ours hold ckpt.pt)."""
+    return init_from in NAMES or os.path.isfile(os.path.join(init_from, 'config.json'))
+
+
+def gpt2(init_from, dropout=0.0):
+    """(GPTConfig, state_dict, meta) of GPT-2 init_from, float32 on the CPU; FileError in one line."""
+    try:
+        import transformers
+    except ImportError:
+        raise FileError(f"init_from={init_from!r} loads GPT-2 through Hugging Face transformers, "
+                        "which is not installed: pip install -r requirements-hf.txt") from None
+    transformers.logging.set_verbosity_error()  # its notes and bars on stderr: ours is one line
+    transformers.logging.disable_progress_bar()
+    print(f"loading GPT-2 {init_from} with transformers (a name: downloaded once)", flush=True)
+    try:
+        hf = transformers.GPT2LMHeadModel.from_pretrained(init_from).float()
+    except Exception as e:  # no such folder or file, no network, another model's config
+        raise FileError(f"cannot load GPT-2 from {init_from}: {describe(e)}") from None
+    c = hf.config
+    unlike = {'activation_function': c.activation_function not in GELU,
+              'n_inner': c.n_inner not in (None, 4 * c.n_embd), 'layer_norm_epsilon': c.layer_norm_epsilon != 1e-5,
+              'scale_attn_by_inverse_layer_idx': c.scale_attn_by_inverse_layer_idx,
+              'reorder_and_upcast_attn': c.reorder_and_upcast_attn, 'scale_attn_weights': not c.scale_attn_weights}
+    if wrong := [k for k, differs in unlike.items() if differs]:
+        raise FileError(f"{init_from}: {wrong[0]}={getattr(c, wrong[0])!r} is not GPT-2's, which our GPT "
+                        "computes")
+    config = GPTConfig(block_size=c.n_positions, vocab_size=c.vocab_size, n_layer=c.n_layer,
+                       n_head=c.n_head, n_embd=c.n_embd, dropout=dropout, bias=True, attn='mha',
+                       pos_emb='learned', gelu_tanh=GELU[c.activation_function])
+    # the names are nanoGPT's and ours; transformers' attention mask buffers are not weights
+    state = {k: v.t() if k.endswith(CONV1D) else v for k, v in hf.state_dict().items()
+             if not k.endswith(('.attn.bias', '.attn.masked_bias'))}
+    return config, state, dict(META, vocab_size=c.vocab_size)

@@ -39,13 +39,15 @@ def add_arguments(p):
 def check(args, error):
     """Every config read before any work: one line for the first one we cannot read."""
     paths = []
-    for path in args.models.split(',') if args.models else []:
-        paths += sorted(os.path.join(path, f) for f in os.listdir(path)
-                        if f.endswith('.json')) if os.path.isdir(path) else [path]
     try:
+        for path in args.models.split(',') if args.models else []:
+            paths += sorted(os.path.join(path, f) for f in os.listdir(path)
+                            if f.endswith('.json')) if os.path.isdir(path) else [path]
         args.published = [from_sizes(args.sizes)] * bool(args.sizes) + [read_config(p) for p in paths]
     except ModelError as e:
         error(str(e))
+    except OSError as e:
+        error(f"--models: cannot list {e.filename}: {e.strerror}")
 
 
 def report(args):
@@ -131,17 +133,17 @@ def keeps(cfg):
 
 
 def model_rows(m, args):
-    """(layout, what it keeps, bytes per token, bytes at --context x --batch) as published, then
-    re-laid out."""
+    """(layout, what it keeps, bytes per token (the first's: a window caps the sum, not the
+    rate), bytes at --context x --batch) as published, then re-laid out."""
     T, B, size = args.context, args.batch, args.dtype.itemsize
-    published, state = m.cache_bytes(T, size), m.cache_bytes(0, size)
-    rows = [('as published' if m.source else 'as given', m.layout(), (published - state) // T, published * B)]
+    first = m.cache_bytes(1, size) - m.cache_bytes(0, size)
+    rows = [('as published' if m.source else 'as given', m.layout(), first, m.cache_bytes(T, size) * B)]
     for name, cfg in relaid(m).items():
         if cfg is None:
             rows.append((name, f"{m.n_head} query heads have no groups of 4", None, None))
             continue
-        total, state = cfg.cache_bytes(T, args.dtype), cfg.cache_bytes(0, args.dtype)
-        rows.append((name, keeps(cfg), (total - state) // T, total * B))
+        first = cfg.cache_bytes(1, args.dtype) - cfg.cache_bytes(0, args.dtype)
+        rows.append((name, keeps(cfg), first, cfg.cache_bytes(T, args.dtype) * B))
     return rows
 
 
@@ -159,13 +161,13 @@ def model_section(m, args):
     notes = ''.join(f"; {n}" for n in m.notes)
     return (f"\n**{m.name}**: {about}{m.n_layer} layers, {m.n_head} query heads of {m.head_dim}; "
             f"caches at {args.dtype.itemsize * 8} bits{notes}.\n\n"
-            + table([h for h in header if h], [ln.replace(' |  |', ' |') for ln in lines]))
+            + table([h for h in header if h], lines))
 
 
 def models_line(models, args):
     """The README's line: what each published model keeps per token."""
     said = [f"{m.name} {kib(model_rows(m, args)[0][2])}" + ' + a fixed state' * any(s for *_, s in m.groups)
             for m in models]
-    return (f"Published models ({args.models}), as published, KiB per token at {args.dtype.itemsize * 8} "
-            f"bits: {', '.join(said)}; each next to its weights and re-laid out as our layouts in the "
-            "whole report.")
+    return (f"The configs in {args.models}, as published, KiB per token at {args.dtype.itemsize * 8} bits: "
+            f"{', '.join(said)}; each next to its weights and re-laid out as our layouts in the whole "
+            "report.")

@@ -1,32 +1,50 @@
 """
-bench.py convert: MHA -> GQA / MQA by mean-pooling K/V heads, then uptraining.
+bench.py convert: an MHA model converted to GQA, MQA (K/V heads mean-pooled) and MLA (a joint SVD of
+its keys and values), then fine-tuned, next to each layout's cache.
 
-As Ainslie et al. 2023, next to GQA and MQA trained from scratch, all on the CPU preset.
+As Ainslie et al. 2023 (and MHA2MLA for MLA): the MHA trained here on the CPU preset, with GQA, MQA
+and MLA trained from scratch beside it; or --source: any MHA checkpoint of ours (an out_dir), or
+GPT-2 (gpt2, or a save_pretrained folder; pip install -r requirements-hf.txt) fine-tuned on
+GPT-2-tokenized data:
+
+    python bench.py convert
+    python bench.py convert --source=out-shakespeare-char
+    python bench.py convert --source=gpt2 --max_iters=300 -- --dataset=shakespeare
 """
 import os
 
-from benchmarks.common import MORE, command, count, flag, listed, machine, row, table
+from benchmarks.common import MORE, command, count, flag, listed, machine, plot, row, table
 from benchmarks.train import (OWNED, add_extra, check_extras, check_models, runs_train_py,
                               train_run)
 from configurator import checked
+from run.gpt2 import is_gpt2
 
 # train.py's keys that the uptraining sets too
 UPTRAINING = ['n_kv_head', 'learning_rate', 'min_lr', 'warmup_iters', 'match_mha_params']
-NAME = {'mha': 'MHA', 'gqa': 'GQA, 2 K/V heads', 'mqa': 'MQA'}
+NAME = {'mha': 'MHA', 'gqa': 'GQA, 2 K/V heads', 'mqa': 'MQA', 'mla': 'MLA'}
+HOW = {'gqa': 'mean-pooled', 'mqa': 'mean-pooled', 'mla': 'factorised (joint SVD)'}
+# a source's fine-tuning: the CPU preset's settings but its shape (the source's), its block cropped
+TUNING = ['--device=cpu', '--compile=False', '--batch_size=12', '--block_size=64', '--dropout=0.0']
 fractions = listed(float, lambda v: all(0 <= f <= 1 for f in v), "give numbers in [0, 1]")
 positive = checked(float, lambda v: 0 < v < float('inf'), "give a number > 0")
 
 
 def add_arguments(p):
-    flag(p, 'max_iters', None, count, "MHA's iterations (default: 2000)")
-    flag(p, 'fractions', '0,0.01,0.025,0.05,0.1', fractions, 'uptraining, fractions of max_iters')
-    flag(p, 'lr', 1e-3, positive, 'peak learning rate of the uptraining')
+    flag(p, 'max_iters', None, count, "MHA's iterations, or with --source the fine-tuning's "
+         "(default: 2000)")
+    flag(p, 'fractions', '0,0.01,0.025,0.05,0.1', fractions, 'fine-tuning, fractions of max_iters')
+    flag(p, 'lr', 1e-3, positive, 'peak learning rate of the fine-tuning')
+    flag(p, 'source', None, str, "an MHA to convert instead of training one: an out_dir with its "
+         "ckpt.pt, or GPT-2 (gpt2, gpt2-medium, ..., a save_pretrained folder)")
     add_extra(p)
 
 
 def check(args, error):
     check_extras(args, error, OWNED + UPTRAINING)
     args.max_iters = args.max_iters or 2000
+    if args.source and not (is_gpt2(args.source) or os.path.isfile(os.path.join(args.source, 'ckpt.pt'))):
+        error(f"--source={args.source}: give an out_dir with an MHA ckpt.pt, or GPT-2 (gpt2, gpt2-medium, "
+              "-large, -xl, or a folder save_pretrained wrote)")
     runs_train_py(args.mode)
 
 
@@ -35,63 +53,92 @@ def report(args):
 
 
 def convert_report(args):
-    """Ainslie et al. 2023: MHA; GQA and MQA from scratch, and mean-pooled from MHA then uptrained
-    (CPU preset)."""
-    iters, lr, out = args.max_iters, args.lr, os.path.join(args.out, 'convert')
-    ups = sorted({round(f * iters) for f in args.fractions})  # uptraining iterations
+    """MHA, trained here or --source; GQA, MQA and MLA converted from it and fine-tuned (and, for an
+    MHA trained here, from scratch)."""
+    iters, lr, out, source = args.max_iters, args.lr, os.path.join(args.out, 'convert'), args.source
+    ups = sorted({round(f * iters) for f in args.fractions})  # fine-tuning iterations
     # the headline's: 5%, or the nearest
     shown = min([n for n in ups if n] or [0], key=lambda n: abs(n / iters - 0.05))
-    check_models(args, ['config/cpu.py'], ['mha', 'gqa', 'mqa'])
+    if not source:
+        check_models(args, ['config/cpu.py'], ['mha', 'gqa', 'mqa', 'mla'])
 
     def run(folder, attn, n, *more):
+        recipe = TUNING if source else [f'config/{attn}.py', 'config/cpu.py']
         return train_run(os.path.join(out, folder), [
-            f'config/{attn}.py', 'config/cpu.py', '--eval_iters=200', '--log_interval=1000000',
-            *args.extra, f'--max_iters={n}', f'--lr_decay_iters={max(n, 1)}',
-            f'--eval_interval={max(n, 1)}', *more])
-    uptraining = lambda n: [f"--init_from={os.path.join(out, 'mha')}", f'--warmup_iters={n // 10}',
-                            f'--learning_rate={lr}', f'--min_lr={lr / 10}']
-    # {(layout, uptraining iterations or None): the run}
-    runs = {('mha', None): run('mha', 'mha', iters)}
-    for attn in ('gqa', 'mqa'):
-        runs[attn, None] = run(f'{attn}-scratch', attn, iters, '--match_mha_params=False')
+            *recipe, f'--attn={attn}', '--eval_iters=200', '--log_interval=1000000', *args.extra,
+            f'--max_iters={n}', f'--lr_decay_iters={max(n, 1)}', f'--eval_interval={max(n, 1)}', *more])
+    mha = source or os.path.join(out, 'mha')
+    tuning = lambda n: [f"--init_from={mha}", f'--warmup_iters={n // 10}', f'--learning_rate={lr}',
+                        f'--min_lr={lr / 10}']
+    # {(layout, fine-tuning iterations or None): the run}
+    runs = {('mha', None): run('mha', 'mha', 0, *tuning(0)) if source else run('mha', 'mha', iters)}
+    for attn in ('gqa', 'mqa', 'mla'):
+        if not source:
+            runs[attn, None] = run(f'{attn}-scratch', attn, iters, '--match_mha_params=False')
         for n in ups:
-            runs[attn, n] = run(f'{attn}-uptrain-{n}', attn, n, *uptraining(n))
+            runs[attn, n] = run(f'{attn}-uptrain-{n}', attn, n, *tuning(n))
     val = {key: r['evals'][-1]['val/loss'] for key, r in runs.items()}
-    rows = {(a, n): convert_row(a, n, r, iters, val) for (a, n), r in runs.items()}
+    cache = {key: r['evals'][-1]['cache_bytes_per_token'] for key, r in runs.items()}
+    rows = {(a, n): convert_row(a, n, r, iters, val, source) for (a, n), r in runs.items()}
     header = ['model', 'made by', 'iterations', 'params', 'cache bytes/token (fp32)', 'val loss',
               "minus MHA's"]
     summary = table(header, [line for (a, n), line in rows.items() if n in (None, 0, shown)])
     if shown and 0 in ups:
         summary += gap_closed(val, shown, iters)
+    loss_against_cache(os.path.join(args.out, 'convert.png'), val, cache, ups, iters)
     fractions = ','.join(f'{f:g}' for f in args.fractions)
     # the last --eval_iters counts
     evals = ['200', *(x.split('=')[1] for x in args.extra if x.startswith('--eval_iters='))][-1]
-    run_line = command(args, f'--max_iters={iters}', f'--lr={lr:g}', f'--fractions={fractions}')
-    return (f"`{run_line}` on {machine()}: config/cpu.py (4 layers, 4 heads, 128 wide, block 64), "
-            f"seed 1337, val loss = mean of the same {evals} val batches.\n\n" + summary + MORE
-            + "\n**Every run**:\n\n" + table(header, list(rows.values()))
+    run_line = command(args, f'--max_iters={iters}', f'--lr={lr:g}', f'--fractions={fractions}',
+                       *[f'--source={source}'] * bool(source))
+    what = (f"{source} converted, fine-tuned with {' '.join(TUNING[2:])} (its block_size cropped)"
+            if source else "config/cpu.py (4 layers, 4 heads, 128 wide, block 64)")
+    return (f"`{run_line}` on {machine()}: {what}, seed 1337, val loss = mean of the same {evals} "
+            f"val batches.\n\n" + summary + "\n![val loss vs cache bytes per token](convert.png)\n"
+            + MORE + "\n**Every run**:\n\n" + table(header, list(rows.values()))
             + f"\nUptraining: peak learning rate {lr:g}, warmup a tenth of the run, cosine to "
-            f"{lr / 10:g}.\n")
+            f"{lr / 10:g}. MLA: d_c = 4 head_dim, d_R = head_dim / 2 (train.py's defaults; "
+            "--kv_lora_rank, --rope_head_dim after -- set others); run/convert.py's to_mla says how "
+            "the keys, values and positions are carried over.\n")
 
 
-def made_by(n, iters):  # n: the uptraining's iterations, None: from scratch
+def made_by(attn, n, iters, source):  # n: the fine-tuning's iterations, None: from scratch
+    if attn == 'mha':
+        return f'{source}, as it is' if source else 'trained from scratch'
     if n is None:
         return 'trained from scratch'
-    return f'MHA mean-pooled, uptrained {n / iters:.1%}' if n else 'MHA mean-pooled, no uptraining'
+    how = f'MHA {HOW[attn]}'
+    return f'{how}, uptrained {n / iters:.1%}' if n else f'{how}, no uptraining'
 
 
-def convert_row(attn, n, run, iters, val):
-    iterations = f"{iters:,}" + ('' if n is None else f' + {n:,}')
-    return row(NAME[attn], made_by(n, iters), iterations, f"{run['params']}M",
+def convert_row(attn, n, run, iters, val, source):
+    iterations = f"{iters:,}" + ('' if n is None else f' + {n:,}') if not source else f"{n or 0:,}"
+    return row(NAME[attn], made_by(attn, n, iters, source), iterations, f"{run['params']}M",
                f"{run['evals'][-1]['cache_bytes_per_token']:,.0f}", f"{val[attn, n]:.4f}",
                f"{val[attn, n] - val['mha', None]:+.4f}")
 
 
 def gap_closed(val, shown, iters):
-    """The share of the gap to MHA that mean-pooling opened, closed by `shown` iterations of
-    uptraining."""
+    """The share of the gap to MHA that each conversion opened, closed by `shown` iterations of
+    fine-tuning."""
     mha = val['mha', None]
     shares = [f"{NAME[a]} {(val[a, 0] - val[a, shown]) / (val[a, 0] - mha):.0%}" if val[a, 0] > mha
-              else f"{NAME[a]}: no gap" for a in ('gqa', 'mqa')]
-    return (f"\nShare of the gap to MHA opened by mean-pooling that {100 * shown / iters:g}% "
+              else f"{NAME[a]}: no gap" for a in ('gqa', 'mqa', 'mla')]
+    return (f"\nShare of the gap to MHA opened by converting that {100 * shown / iters:g}% "
             "uptraining closes: " + ", ".join(shares) + ".\n")
+
+
+def loss_against_cache(path, val, cache, ups, iters):
+    """Each conversion's val loss against its cache bytes per token, from 0 iterations of fine-tuning
+    to the most; MHA and the models trained from scratch as points."""
+    lines = [([cache['mha', None]], [val['mha', None]], 'MHA', dict(marker='*', ms=12, ls=''))]
+    for attn in ('gqa', 'mqa', 'mla'):
+        xs = [cache[attn, n] for n in ups]
+        lines.append((xs, [val[attn, n] for n in ups],
+                      f"{NAME[attn]}: converted, uptrained {ups[0]} to {ups[-1]} iterations",
+                      dict(marker='o')))
+        if (attn, None) in val:
+            lines.append(([cache[attn, None]], [val[attn, None]], f"{NAME[attn]}: from scratch",
+                          dict(marker='s', ls='')))
+    plot(path, lines, dict(fontsize=7), xscale='log', xlabel='cache bytes per token (fp32)',
+         ylabel='val loss', title=f'Converted from MHA, then uptrained (of {iters:,} iterations)')

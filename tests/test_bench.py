@@ -10,6 +10,7 @@ import subprocess
 import sys
 import time
 
+import numpy as np
 import pytest
 import torch
 
@@ -202,7 +203,7 @@ def test_convert_experiment_on_a_tiny_model(tmp_path, char_data):
     assert 'no uptraining' in headline and 'uptrained 50.0%' in headline
     assert re.search(r"^Share of the gap .* that 50% uptraining closes: "
                      r"GQA, 2 K/V heads (\d+%|: no gap), MQA", headline, re.M), headline
-    rows = re.findall(r"\| (MHA|GQA, 2 K/V heads|MQA) \| ([^|]+) \| ([\d +]+) \| ([\d.]+)M "
+    rows = re.findall(r"\| (MHA|GQA, 2 K/V heads|MQA|MLA) \| ([^|]+) \| ([\d +]+) \| ([\d.]+)M "
                       r"\| ([\d,]+) \| ([\d.]+) \| ", every)
     assert [(r[0], r[1], r[2]) for r in rows] == [
         ('MHA', 'trained from scratch', '4'),
@@ -211,21 +212,65 @@ def test_convert_experiment_on_a_tiny_model(tmp_path, char_data):
         ('GQA, 2 K/V heads', 'MHA mean-pooled, uptrained 50.0%', '4 + 2'),
         ('MQA', 'trained from scratch', '4'),
         ('MQA', 'MHA mean-pooled, no uptraining', '4 + 0'),
-        ('MQA', 'MHA mean-pooled, uptrained 50.0%', '4 + 2')]
+        ('MQA', 'MHA mean-pooled, uptrained 50.0%', '4 + 2'),
+        ('MLA', 'trained from scratch', '4'),
+        ('MLA', 'MHA factorised (joint SVD), no uptraining', '4 + 0'),
+        ('MLA', 'MHA factorised (joint SVD), uptrained 50.0%', '4 + 2')]
     cache = [int(r[4].replace(',', '')) for r in rows]
-    assert (cache[0] == 2 * cache[1] == 4 * cache[4]
-            and len(set(cache[1:4])) == len(set(cache[4:])) == 1)
+    # 1 layer, 4 heads of 8: MHA 2 * 4 * 8, MLA d_c 32 + d_R 4 elements, 4 bytes each
+    assert (cache[0] == 2 * cache[1] == 4 * cache[4] == 2 * 4 * 8 * 4
+            and len(set(cache[1:4])) == len(set(cache[4:7])) == 1 and set(cache[7:]) == {36 * 4})
     # from scratch in the converted models' shape
     assert rows[1][3] == rows[2][3] and rows[4][3] == rows[5][3]
     assert rows[2][5] != rows[0][5]  # pooling 4 heads into 2 changes the model
+    assert (tmp_path / 'convert.png').stat().st_size > 10_000
 
     def evals(name):
         with open(tmp_path / 'convert' / name / 'metrics.jsonl') as f:
             return [(r['iter'], r['val/loss']) for r in map(json.loads, f) if 'val/loss' in r]
-    for attn in ('gqa', 'mqa'):
+    for attn in ('gqa', 'mqa', 'mla'):
         (it0, pooled), = evals(f'{attn}-uptrain-0')
         start, end = evals(f'{attn}-uptrain-2')  # a fresh log that starts from the pooled weights
         assert it0 == start[0] == 0 and start[1] == pooled and end[0] == 2
+
+
+@pytest.mark.slow
+def test_convert_report_from_a_source(tmp_path, char_data):
+    """--source: an MHA out_dir of ours evaluated as it is, then converted and uptrained; no model
+    from scratch. GPT-2 (a save_pretrained folder) the same way, where transformers is installed."""
+    mha = tmp_path / 'mha'
+    r = subprocess.run([sys.executable, 'train.py', 'config/cpu.py', '--n_layer=1', '--n_embd=32',
+                        '--max_iters=20', '--eval_interval=10', '--eval_iters=2', f'--out_dir={mha}',
+                        f'--data_dir={char_data}'], cwd=ROOT, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    out = bench('convert', f'--source={mha}', '--max_iters=4', '--fractions=0,0.5',
+                f'--out={tmp_path / "r"}', '--', '--eval_iters=2', f'--data_dir={char_data}')
+    rows = re.findall(r"^\| (MHA|GQA, 2 K/V heads|MQA|MLA) \| ([^|]+) \| ([\d,]+) \| .* \| ([\d.]+) \| "
+                      r"[-+][\d.]+ \|$", out.split('**Every run**')[1], re.M)
+    assert [r[:3] for r in rows] == [
+        ('MHA', f'{mha}, as it is', '0'),
+        ('GQA, 2 K/V heads', 'MHA mean-pooled, no uptraining', '0'),
+        ('GQA, 2 K/V heads', 'MHA mean-pooled, uptrained 50.0%', '2'),
+        ('MQA', 'MHA mean-pooled, no uptraining', '0'),
+        ('MQA', 'MHA mean-pooled, uptrained 50.0%', '2'),
+        ('MLA', 'MHA factorised (joint SVD), no uptraining', '0'),
+        ('MLA', 'MHA factorised (joint SVD), uptrained 50.0%', '2')]
+    # the source as it is: the val loss its own run measured on the same batches
+    best = min(m['val/loss'] for m in map(json.loads, open(mha / 'metrics.jsonl')) if 'val/loss' in m)
+    assert float(rows[0][3]) == pytest.approx(best, abs=1e-4)
+    transformers = pytest.importorskip('transformers')
+    torch.manual_seed(0)
+    gpt2 = transformers.GPT2LMHeadModel(transformers.GPT2Config(
+        n_layer=1, n_embd=32, n_head=4, n_positions=64, vocab_size=50257))
+    gpt2.save_pretrained(tmp_path / 'gpt2')
+    bpe = tmp_path / 'bpe'
+    bpe.mkdir()
+    for split, n in (('train', 3000), ('val', 1000)):
+        (np.random.default_rng(0).integers(0, 50257, n)).astype(np.uint16).tofile(bpe / f'{split}.bin')
+    (bpe / 'meta.json').write_text(json.dumps({'kind': 'tiktoken', 'encoding': 'gpt2', 'vocab_size': 50257}))
+    out = bench('convert', f'--source={tmp_path / "gpt2"}', '--max_iters=2', '--fractions=0,1',
+                f'--out={tmp_path / "g"}', '--', '--eval_iters=1', f'--data_dir={bpe}')
+    assert 'MHA factorised (joint SVD), uptrained 100.0%' in out
 
 
 def test_bad_arguments_are_one_line(tmp_path, capsys, monkeypatch):

@@ -13,7 +13,8 @@ GPT-2-tokenized data:
 """
 import os
 
-from benchmarks.common import MORE, command, count, flag, listed, machine, plot, row, table
+from benchmarks.common import (LEGEND_OUTSIDE, MORE, command, count, flag, listed, machine, plot,
+                               row, table)
 from benchmarks.train import (OWNED, add_extra, check_extras, check_models, runs_train_py,
                               train_run)
 from configurator import checked
@@ -129,16 +130,16 @@ def gap_closed(val, shown, iters):
 
 
 def loss_against_cache(path, val, cache, ups, iters):
-    """Each conversion's val loss against its cache bytes per token, from 0 iterations of fine-tuning
-    to the most; MHA and the models trained from scratch as points."""
-    lines = [([cache['mha', None]], [val['mha', None]], 'MHA', dict(marker='*', ms=12, ls=''))]
-    for attn in ('gqa', 'mqa', 'mla'):
+    """Each conversion's val loss against its cache bytes per token, from 0 iterations of uptraining
+    to the most; MHA and the models trained from scratch as points, in their layout's colour."""
+    lines = [([cache['mha', None]], [val['mha', None]], 'MHA', dict(marker='*', ms=12, ls='', color='C0'))]
+    for attn, color in (('gqa', 'C1'), ('mqa', 'C3'), ('mla', 'C4')):
         xs = [cache[attn, n] for n in ups]
         lines.append((xs, [val[attn, n] for n in ups],
                       f"{NAME[attn]}: converted, uptrained {ups[0]} to {ups[-1]} iterations",
-                      dict(marker='o')))
+                      dict(marker='o', color=color)))
         if (attn, None) in val:
             lines.append(([cache[attn, None]], [val[attn, None]], f"{NAME[attn]}: from scratch",
-                          dict(marker='s', ls='')))
-    plot(path, lines, dict(fontsize=7), xscale='log', xlabel='cache bytes per token (fp32)',
+                          dict(marker='s', ls='', color=color, mfc='none', ms=9)))
+    plot(path, lines, LEGEND_OUTSIDE, xscale='log', xlabel='cache bytes per token (fp32)',
          ylabel='val loss', title=f'Converted from MHA, then uptrained (of {iters:,} iterations)')

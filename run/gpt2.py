@@ -29,9 +29,11 @@ def gpt2(init_from, dropout=0.0):
     except ImportError:
         raise FileError(f"init_from={init_from!r} loads GPT-2 through Hugging Face transformers, "
                         "which is not installed: pip install -r requirements-hf.txt") from None
-    transformers.logging.set_verbosity_error()  # its notes and bars on stderr: ours is one line
+    import huggingface_hub
+    # their notes, retries and bars on stderr: ours is one line
+    transformers.logging.set_verbosity_error()
+    huggingface_hub.logging.set_verbosity_error()
     transformers.logging.disable_progress_bar()
-    print(f"loading GPT-2 {init_from} with transformers (a name: downloaded once)", flush=True)
     try:
         hf = transformers.GPT2LMHeadModel.from_pretrained(init_from).float()
     except Exception as e:  # no such folder or file, no network, another model's config

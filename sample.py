@@ -6,7 +6,7 @@ Sample from a trained checkpoint, with or without the cache, or both side by sid
     python sample.py --use_cache=False                   # re-run the window each step
     python sample.py --compare                           # both ways: same tokens? speed? bytes?
     python sample.py --start=FILE:prompt.txt --num_samples=1 --temperature=0
-    python sample.py --init_from=gpt2-xl --start="What is the answer?"  # pip install -r requirements-hf.txt
+    python sample.py --init_from=gpt2-xl --start="What is"  # pip install -r requirements-hf.txt
 """
 from run.interrupts import exit_at_once, memory_errors_in_one_line
 
@@ -34,7 +34,7 @@ exit_on_signals()  # imported: Ctrl-C a KeyboardInterrupt again (said in one lin
 
 # -----------------------------------------------------------------------------
 out_dir = ''                # '' = the newest checkpoint under ./out*/
-init_from = ''              # or GPT-2's weights: gpt2, gpt2-medium/-large/-xl, a save_pretrained folder
+init_from = ''              # GPT-2 instead: gpt2, gpt2-medium/-large/-xl, a save_pretrained dir
 start = "\n"               # the prompt, or FILE:path to read it from a file
 num_samples = 10           # samples, one batch row each
 max_new_tokens = 500       # tokens generated per sample
@@ -62,7 +62,7 @@ rules = [('max_new_tokens', max_new_tokens >= 0, '>= 0'), ('top_k', top_k >= 1, 
          ('max_new_tokens', max_new_tokens >= 1 or not compare, '>= 1 with --compare'),
          ('use_cache', use_cache or not compare, 'True with --compare (it runs both ways)'),
          ('linear_kernels', linear_kernels in ('fla', 'torch'), "'fla' or 'torch'"),
-         ('init_from', not (init_from and out_dir), "'' with an --out_dir (one model or the other)")]
+         ('init_from', not (init_from and out_dir), "'' with an --out_dir (one model or another)")]
 for name, ok, rule in rules:
     if not ok:
         fail(f"{name}={globals()[name]!r} must be {rule}")

@@ -32,8 +32,9 @@ def add_arguments(p):
          "[, n_kv_head, params]")
     flag(p, 'context', 8192, count, 'tokens in the cache')
     flag(p, 'batch', 1, count, 'sequences')
-    flag(p, 'dtype', 'bfloat16', checked(DTYPES.__getitem__, bool, f"choose from {', '.join(DTYPES)}"),
-         "the cached keys' and values' type (a linear layer's state: float32 at least)")
+    dtype = checked(DTYPES.__getitem__, bool, f"choose from {', '.join(DTYPES)}")
+    flag(p, 'dtype', 'bfloat16', dtype, "the cached keys' and values' type (a linear layer's "
+         "state: float32 at least)")
 
 
 def check(args, error):
@@ -43,7 +44,8 @@ def check(args, error):
         for path in args.models.split(',') if args.models else []:
             paths += sorted(os.path.join(path, f) for f in os.listdir(path)
                             if f.endswith('.json')) if os.path.isdir(path) else [path]
-        args.published = [from_sizes(args.sizes)] * bool(args.sizes) + [read_config(p) for p in paths]
+        sized = [from_sizes(args.sizes)] if args.sizes else []
+        args.published = sized + [read_config(p) for p in paths]
     except ModelError as e:
         error(str(e))
     except OSError as e:
@@ -137,7 +139,8 @@ def model_rows(m, args):
     rate), bytes at --context x --batch) as published, then re-laid out."""
     T, B, size = args.context, args.batch, args.dtype.itemsize
     first = m.cache_bytes(1, size) - m.cache_bytes(0, size)
-    rows = [('as published' if m.source else 'as given', m.layout(), first, m.cache_bytes(T, size) * B)]
+    name = 'as published' if m.source else 'as given'
+    rows = [(name, m.layout(), first, m.cache_bytes(T, size) * B)]
     for name, cfg in relaid(m).items():
         if cfg is None:
             rows.append((name, f"{m.n_head} query heads have no groups of 4", None, None))
@@ -166,8 +169,8 @@ def model_section(m, args):
 
 def models_line(models, args):
     """The README's line: what each published model keeps per token."""
-    said = [f"{m.name} {kib(model_rows(m, args)[0][2])}" + ' + a fixed state' * any(s for *_, s in m.groups)
-            for m in models]
-    return (f"The configs in {args.models}, as published, KiB per token at {args.dtype.itemsize * 8} bits: "
-            f"{', '.join(said)}; each next to its weights and re-laid out as our layouts in the whole "
-            "report.")
+    state = lambda m: ' + a fixed state' * any(s for *_, s in m.groups)
+    said = [f"{m.name} {kib(model_rows(m, args)[0][2])}{state(m)}" for m in models]
+    return (f"The configs in {args.models}, as published, KiB per token at "
+            f"{args.dtype.itemsize * 8} bits: {', '.join(said)}; each next to its weights and "
+            "re-laid out as our layouts in the whole report.")

@@ -43,9 +43,10 @@ def add_arguments(p):
 def check(args, error):
     check_extras(args, error, OWNED + UPTRAINING)
     args.max_iters = args.max_iters or 2000
-    if args.source and not (is_gpt2(args.source) or os.path.isfile(os.path.join(args.source, 'ckpt.pt'))):
-        error(f"--source={args.source}: give an out_dir with an MHA ckpt.pt, or GPT-2 (gpt2, gpt2-medium, "
-              "-large, -xl, or a folder save_pretrained wrote)")
+    mha = args.source and os.path.isfile(os.path.join(args.source, 'ckpt.pt'))
+    if args.source and not (mha or is_gpt2(args.source)):
+        error(f"--source={args.source}: give an out_dir with an MHA ckpt.pt, or GPT-2 (gpt2, "
+              "gpt2-medium, -large, -xl, or a folder save_pretrained wrote)")
     runs_train_py(args.mode)
 
 
@@ -67,7 +68,8 @@ def convert_report(args):
         recipe = TUNING if source else [f'config/{attn}.py', 'config/cpu.py']
         return train_run(os.path.join(out, folder), [
             *recipe, f'--attn={attn}', '--eval_iters=200', '--log_interval=1000000', *args.extra,
-            f'--max_iters={n}', f'--lr_decay_iters={max(n, 1)}', f'--eval_interval={max(n, 1)}', *more])
+            f'--max_iters={n}', f'--lr_decay_iters={max(n, 1)}', f'--eval_interval={max(n, 1)}',
+            *more])
     mha = source or os.path.join(out, 'mha')
     tuning = lambda n: [f"--init_from={mha}", f'--warmup_iters={n // 10}', f'--learning_rate={lr}',
                         f'--min_lr={lr / 10}']
@@ -99,8 +101,8 @@ def convert_report(args):
             + MORE + "\n**Every run**:\n\n" + table(header, list(rows.values()))
             + f"\nUptraining: peak learning rate {lr:g}, warmup a tenth of the run, cosine to "
             f"{lr / 10:g}. MLA: d_c = 4 head_dim, d_R = head_dim / 2 (train.py's defaults; "
-            "--kv_lora_rank, --rope_head_dim after -- set others); run/convert.py's to_mla says how "
-            "the keys, values and positions are carried over.\n")
+            "--kv_lora_rank, --rope_head_dim after -- set others); run/convert.py's to_mla says "
+            "how the keys, values and positions are carried over.\n")
 
 
 def made_by(attn, n, iters, source):  # n: the fine-tuning's iterations, None: from scratch
@@ -132,7 +134,8 @@ def gap_closed(val, shown, iters):
 def loss_against_cache(path, val, cache, ups, iters):
     """Each conversion's val loss against its cache bytes per token, from 0 iterations of uptraining
     to the most; MHA and the models trained from scratch as points, in their layout's colour."""
-    lines = [([cache['mha', None]], [val['mha', None]], 'MHA', dict(marker='*', ms=12, ls='', color='C0'))]
+    star = dict(marker='*', ms=12, ls='', color='C0')
+    lines = [([cache['mha', None]], [val['mha', None]], 'MHA', star)]
     for attn, color in (('gqa', 'C1'), ('mqa', 'C3'), ('mla', 'C4')):
         xs = [cache[attn, n] for n in ups]
         lines.append((xs, [val[attn, n] for n in ups],

@@ -1,7 +1,7 @@
 """
 Published models for bench.py cache: a Hugging Face config.json read into what each layer caches
-(model.py's formulas: kv_elements, latent_elements, state_elements), the weights' parameters, and the
-sizes our layouts re-lay the model out with. A config this file cannot read exactly is refused.
+(model.py's formulas: kv_elements, latent_elements, state_elements), the weights' parameters, and
+the sizes our layouts re-lay the model out with. A config this file cannot read exactly is refused.
 """
 import json
 import math
@@ -11,8 +11,8 @@ from dataclasses import dataclass, field
 from model import kv_elements, latent_elements, state_elements
 
 # fields that change what a layer keeps, in families that do not read them here
-UNREAD = ('attention_chunk_size', 'hybrid_override_pattern', 'text_config', 'sliding_window_pattern',
-          'no_rope_layers', 'kv_lora_rank', 'linear_num_value_heads')
+UNREAD = ('attention_chunk_size', 'hybrid_override_pattern', 'text_config',
+          'sliding_window_pattern', 'no_rope_layers', 'kv_lora_rank', 'linear_num_value_heads')
 
 
 class ModelError(ValueError):
@@ -21,14 +21,14 @@ class ModelError(ValueError):
 
 @dataclass
 class Published:
-    name: str
-    source: str               # the config.json, or '' (a model given by its sizes)
     groups: list              # (layers, what, elements(T), a fixed state?) per kind of layer
     params: int               # the weights, as published (0: not given)
     n_layer: int              # the sizes our layouts re-lay it out with
     n_head: int
     head_dim: int
     notes: list = field(default_factory=list)
+    name: str = ''
+    source: str = ''          # the config.json, or '' (a model given by its sizes)
 
     def cache_bytes(self, T, itemsize):  # batch 1; a linear layer's state float32 at least
         return sum(n * fn(T) * (max(itemsize, 4) if state else itemsize)
@@ -41,7 +41,7 @@ class Published:
 # --- each family: its layers' caches and its parameters ------------------------------------------
 
 def softmax_layers(c, n_kv, d, windowed=None):
-    """Softmax layers with n_kv K/V heads of width d; those windowed keep the last sliding_window."""
+    """Softmax layers, n_kv K/V heads of width d; those windowed keep the last sliding_window."""
     L, window = c.get('num_hidden_layers'), c.get('sliding_window')
     types = c.get('layer_types') or ['full_attention'] * L
     if set(types) - {'full_attention', 'sliding_attention'}:
@@ -58,47 +58,52 @@ def softmax_layers(c, n_kv, d, windowed=None):
 
 def llama(c):  # llama, mistral: RMSNorm, SwiGLU MLP
     C, H, L = c['hidden_size'], c['num_attention_heads'], c['num_hidden_layers']
-    kv, d, I = c.get('num_key_value_heads') or H, c.get('head_dim') or C // H, c['intermediate_size']
+    kv, d = c.get('num_key_value_heads') or H, c.get('head_dim') or C // H
+    I = c['intermediate_size']
     bias = bool(c.get('attention_bias'))
     attn = 2 * C * H * d + 2 * C * kv * d + bias * (H * d + 2 * kv * d + C)
     layer = attn + 3 * C * I + bool(c.get('mlp_bias')) * (2 * I + C) + 2 * C
     params = embeddings(c) + L * layer + C
-    return Published('', '', softmax_layers(c, kv, d), params, L, H, d)
+    return Published(softmax_layers(c, kv, d), params, L, H, d)
 
 
 def falcon(c):  # falcon-7b: one K/V head (multi_query), attention and MLP in parallel
     C, H, L = c['hidden_size'], c['num_attention_heads'], c['num_hidden_layers']
     if c.get('new_decoder_architecture') or c.get('alibi'):
-        raise ModelError("new_decoder_architecture / alibi: Falcon's other variants are not read here")
+        raise ModelError("new_decoder_architecture / alibi: Falcon's other variants are not read "
+                         "here")
     d = C // H
     kv = 1 if c.get('multi_query', True) else H
     ffn, bias = c.get('ffn_hidden_size') or 4 * C, bool(c.get('bias'))
     layer = C * (H + 2 * kv) * d + C * C + 2 * C * ffn + bias * ((H + 2 * kv) * d + 2 * C + ffn)
     layer += 2 * C * (1 + (not c.get('parallel_attn', True)))  # LayerNorms: weight and bias
-    return Published('', '', softmax_layers(c, kv, d), embeddings(c, tied=True) + L * layer + 2 * C, L, H, d)
+    params = embeddings(c, tied=True) + L * layer + 2 * C
+    return Published(softmax_layers(c, kv, d), params, L, H, d)
 
 
 def gpt2(c):
     C, H, L, V, P = (c[k] for k in ('n_embd', 'n_head', 'n_layer', 'vocab_size', 'n_positions'))
     layer = 12 * C * C + 13 * C  # c_attn, c_proj, c_fc, mlp.c_proj (+ biases), two LayerNorms
     params = V * C + P * C + L * layer + 2 * C
-    return Published('', '', softmax_layers({'num_hidden_layers': L}, H, C // H), params, L, H, C // H)
+    return Published(softmax_layers({'num_hidden_layers': L}, H, C // H), params, L, H, C // H)
 
 
-def deepseek(c):  # MLA: the cache is [c | k_R] (the paper; vLLM, SGLang), K and V are formed from it
+def deepseek(c):  # MLA: it caches [c | k_R] (the paper; vLLM, SGLang) and forms K and V from it
     C, H, L = c['hidden_size'], c['num_attention_heads'], c['num_hidden_layers']
-    dc, dR, nope, dv = (c[k] for k in ('kv_lora_rank', 'qk_rope_head_dim', 'qk_nope_head_dim', 'v_head_dim'))
+    dc, dR = c['kv_lora_rank'], c['qk_rope_head_dim']
+    nope, dv = c['qk_nope_head_dim'], c['v_head_dim']
     r, dq = c.get('q_lora_rank'), nope + dR
     q = C * r + r + r * H * dq if r else C * H * dq
     attn = q + C * (dc + dR) + dc + dc * H * (nope + dv) + H * dv * C
     experts = c['n_routed_experts']
     moe = (experts + c['n_shared_experts']) * 3 * C * c['moe_intermediate_size'] + C * experts
     dense = min(c.get('first_k_dense_replace', 0), L)
-    params = embeddings(c) + L * (attn + 2 * C) + dense * 3 * C * c['intermediate_size'] + (L - dense) * moe + C
+    mlps = dense * 3 * C * c['intermediate_size'] + (L - dense) * moe
+    params = embeddings(c) + L * (attn + 2 * C) + mlps + C
     groups = [(L, f"MLA, d_c {dc} + d_R {dR}", lambda T: latent_elements(T, dc, dR), False)]
-    notes = [f"{c.get('num_nextn_predict_layers', 0)} multi-token-prediction layer(s) not counted"] * bool(
-        c.get('num_nextn_predict_layers'))
-    return Published('', '', groups, params, L, H, nope, notes)
+    mtp = c.get('num_nextn_predict_layers')
+    notes = [f"{mtp} multi-token-prediction layer(s) not counted"] * bool(mtp)
+    return Published(groups, params, L, H, nope, notes)
 
 
 def qwen3_next(c):  # 3 Gated DeltaNet layers to 1 gated softmax layer, MoE MLPs
@@ -107,30 +112,33 @@ def qwen3_next(c):  # 3 Gated DeltaNet layers to 1 gated softmax layer, MoE MLPs
     nk, nv, dk, dv, K = (c[k] for k in ('linear_num_key_heads', 'linear_num_value_heads',
                                         'linear_key_head_dim', 'linear_value_head_dim',
                                         'linear_conv_kernel_dim'))
-    types = c.get('layer_types') or ['full_attention' if (i + 1) % every == 0 else 'linear_attention'
-                                     for i in range(L)]
+    types = c.get('layer_types') or [
+        'full_attention' if (i + 1) % every == 0 else 'linear_attention' for i in range(L)]
     if set(types) - {'full_attention', 'linear_attention'} or len(types) != L:
         raise ModelError(f"layer_types: {L} of 'full_attention' / 'linear_attention' expected")
     conv = 2 * nk * dk + nv * dv  # the short conv runs over q, k (nk heads) and v (nv heads)
     full = 2 * C * H * d + 2 * C * kv * d + H * d * C + 2 * d  # q and its output gate, q/k norms
     linear = C * (2 * nk * dk + 2 * nv * dv) + C * 2 * nv + conv * K + 2 * nv + dv + nv * dv * C
-    E, moe, shared = c['num_experts'], c['moe_intermediate_size'], c['shared_expert_intermediate_size']
-    mlp = E * 3 * C * moe + 3 * C * shared + C * E + C
+    E, moe = c['num_experts'], c['moe_intermediate_size']
+    mlp = E * 3 * C * moe + 3 * C * c['shared_expert_intermediate_size'] + C * E + C
     n_full = types.count('full_attention')
     params = embeddings(c) + n_full * full + (L - n_full) * linear + L * (mlp + 2 * C) + C
-    groups = [(n_full, f"softmax, {kv} K/V heads of {d}", lambda T: kv_elements(T, kv, d, d), False),
+    groups = [(n_full, f"softmax, {kv} K/V heads of {d}",
+               lambda T: kv_elements(T, kv, d, d), False),
               (L - n_full, f"Gated DeltaNet, {nv} heads of {dk} x {dv}",
                lambda T: state_elements(nv, dk, dv, conv, K), True)]
-    return Published('', '', groups, params, L, H, d)
+    return Published(groups, params, L, H, d)
 
 
 def embeddings(c, tied=False):  # the token embedding, and the head unless tied to it
     return c['vocab_size'] * c['hidden_size'] * (1 + (not c.get('tie_word_embeddings', tied)))
 
 
-FAMILIES = {'llama': llama, 'mistral': llama, 'falcon': falcon, 'gpt2': gpt2, 'deepseek_v2': deepseek,
-            'deepseek_v3': deepseek, 'qwen3_next': qwen3_next}
-OWN = {'deepseek_v2': 'kv_lora_rank', 'deepseek_v3': 'kv_lora_rank', 'qwen3_next': 'linear_num_value_heads'}
+FAMILIES = {'llama': llama, 'mistral': llama, 'falcon': falcon, 'gpt2': gpt2,
+            'deepseek_v2': deepseek, 'deepseek_v3': deepseek, 'qwen3_next': qwen3_next}
+# the UNREAD fields a family reads
+OWN = {'deepseek_v2': 'kv_lora_rank', 'deepseek_v3': 'kv_lora_rank',
+       'qwen3_next': 'linear_num_value_heads'}
 
 
 def read_config(path):
@@ -152,7 +160,8 @@ def read_config(path):
                          "is read here without it")
     try:
         model = FAMILIES[kind](c)
-        sizes = [model.n_layer, model.n_head, model.head_dim, model.params]
+        sizes = [model.n_layer, model.n_head, model.head_dim, model.params,
+                 *(fn(1) for _, _, fn, _ in model.groups)]
         if not all(isinstance(n, int) and n >= 1 for n in sizes):
             raise ValueError
     except ModelError:
@@ -170,21 +179,22 @@ SIZES = {'n_layer': int, 'n_head': int, 'head_dim': int, 'n_kv_head': int, 'para
 
 
 def from_sizes(text):
-    """'n_layer=32,n_head=32,head_dim=128[,n_kv_head=8][,params=7e9]' -> Published (a softmax model)."""
+    """'n_layer=32,n_head=32,head_dim=128[,n_kv_head=8][,params=7e9]' -> Published (softmax)."""
     pairs = dict(p.partition('=')[::2] for p in text.split(','))
     wrong = [k for k in pairs if k not in SIZES] or [k for k in ('n_layer', 'n_head', 'head_dim')
                                                      if k not in pairs]
     if wrong:
-        raise ModelError(f"{text!r}: sizes are {', '.join(f'{k}=N' for k in SIZES)} (n_layer, n_head, "
-                         f"head_dim needed); not {wrong[0]!r}")
+        raise ModelError(f"{text!r}: sizes are {', '.join(f'{k}=N' for k in SIZES)} (n_layer, "
+                         f"n_head, head_dim needed); not {wrong[0]!r}")
     try:
         s = {k: SIZES[k](v) for k, v in pairs.items()}
     except ValueError:
         raise ModelError(f"{text!r}: sizes are numbers") from None
     kv, params = s.get('n_kv_head', s['n_head']), s.get('params', 0)
-    if min(s.values()) < 1 or s['n_head'] % kv or not math.isfinite(params) or params != int(params):
+    whole = math.isfinite(params) and params == int(params)
+    if min(s.values()) < 1 or s['n_head'] % kv or not whole:
         raise ModelError(f"{text!r}: sizes are whole numbers >= 1, n_kv_head dividing n_head")
     d, L = s['head_dim'], s['n_layer']
     groups = [(L, f"softmax, {kv} K/V heads of {d}", lambda T: kv_elements(T, kv, d, d), False)]
     name = "the founding chapter's 7B-class model" * (text == CHAPTER) or f"--sizes={text}"
-    return Published(name, '', groups, int(params), L, s['n_head'], d)
+    return Published(groups, int(params), L, s['n_head'], d, name=name)

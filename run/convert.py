@@ -37,60 +37,61 @@ def pool_kv_heads(state_dict, config, n_kv_head):
 
 
 def to_mla(state_dict, config, mla):
-    """MHA (config) -> MLA (mla: its GPTConfig, without q_lora_rank). Per layer, with d = head_dim:
-    - the decoupled RoPE part: the MHA's pairs whose frequencies MLA's d_R-wide RoPE turns at (every
+    """MHA (config) -> MLA (mla: its GPTConfig, without q_lora_rank). Per layer, d = head_dim:
+    - the decoupled RoPE part: the MHA's pairs whose frequency MLA's d_R-wide RoPE turns at (every
       (d / d_R)-th pair: theta^(-2i/d_R) = theta^(-2 (i d / d_R) / d)) become q_R, and the heads'
       mean of their keys the shared k_R; the other pairs of q and k lose their rotation. (Learned
-      positions, GPT-2's, rotate nothing: the same split, each head's keys there shared.)
-    - the rest of the keys and the values: one SVD of [W_K; W_V] truncated to rank d_c: the latent
-      c = V_rᵀ x, W_UK and W_UV = U_r Σ_r. The latent's RMSNorm gain is c's expected RMS, so that
-      norm(c) ~ c (exact only for a token whose c has that RMS).
-    - biases: V's moves into c_proj's (attention weights sum to 1); K's is dropped (the same for every
-      key of a query: no change to its softmax, up to RoPE's turn of it).
+      positions, GPT-2's, rotate nothing: the same split, the heads' keys there shared.)
+    - the rest of the keys and the values: one SVD of [W_K; W_V] truncated to rank d_c: the
+      latent c = V_rᵀ x, W_UK and W_UV = U_r Σ_r. The latent's RMSNorm gain is c's expected RMS,
+      so that norm(c) ~ c (exact for a token whose c has that RMS).
+    - biases: V's moves into c_proj's (attention weights sum to 1); K's is dropped (the same for
+      every key of a query: no change to its softmax, but for RoPE's turn of it).
     - q times sqrt((d + d_R) / d): MLA scales scores by 1 / sqrt(d + d_R), MHA by 1 / sqrt(d)."""
-    H, d, C, dc, dR = config.n_head, config.head_dim, config.n_embd, mla.kv_lora_rank, mla.rope_head_dim
+    H, d, C = config.n_head, config.head_dim, config.n_embd
+    dc, dR = mla.kv_lora_rank, mla.rope_head_dim
     if config.attn != 'mha' or mla.q_lora_rank or d % dR:
-        raise ValueError(f"MHA -> MLA takes an 'mha' model to MLA without q_lora_rank, rope_head_dim "
-                         f"dividing head_dim={d}; not attn={config.attn!r}, q_lora_rank={mla.q_lora_rank}, "
-                         f"rope_head_dim={dR}")
-    pairs = torch.arange(0, d // 2, d // dR)                        # the pairs RoPE keeps
-    rope = torch.stack([2 * pairs, 2 * pairs + 1], 1).flatten()     # (dR,) dims of a head
-    nope = torch.tensor([i for i in range(d) if i not in set(rope.tolist())])  # (d - dR,)
+        raise ValueError(f"MHA -> MLA needs an 'mha' model, no q_lora_rank and a rope_head_dim "
+                         f"dividing head_dim={d}; not attn={config.attn!r}, "
+                         f"q_lora_rank={mla.q_lora_rank}, rope_head_dim={dR}")
+    pairs = torch.arange(0, d // 2, d // dR)                         # the pairs RoPE keeps
+    rope = torch.stack([2 * pairs, 2 * pairs + 1], 1).flatten()      # (dR,) dims of a head
+    nope = torch.tensor([i for i in range(d) if i not in rope])      # (d - dR,)
+    scale = math.sqrt((d + dR) / d)
+
+    def query(t):  # a head's q rows (H, d, ...) -> (H, d + dR, ...): [nope | zeros | rope], scaled
+        q = torch.zeros(H, d + dR, *t.shape[2:], dtype=t.dtype)
+        q[:, :d - dR], q[:, d:] = t[:, nope], t[:, rope]
+        return scale * q.flatten(0, 1)
+
     out = {k: v for k, v in state_dict.items() if '.attn.c_attn.' not in k}
     for name in [k for k in state_dict if k.endswith('.attn.c_attn.weight')]:
-        layer, bias = name.removesuffix('c_attn.weight'), state_dict.get(name.replace('weight', 'bias'))
-        w = state_dict[name].double().view(3, H, d, C)             # q, k, v heads' rows
-        b = bias.double().view(3, H, d) if bias is not None else None
-        q_scale = math.sqrt((d + dR) / d)
-        # q: [nope (padded with zeros to d) | rope] per head
-        q_w = torch.zeros(H, d + dR, C, dtype=w.dtype)
-        q_w[:, :d - dR], q_w[:, d:] = w[0][:, nope], w[0][:, rope]
-        # K without RoPE's pairs, and V: one latent
-        kv = torch.cat([w[1][:, nope].reshape(-1, C), w[2].reshape(-1, C)])  # (H(d - dR) + H d, C)
+        attn = name.removesuffix('c_attn.weight')                    # 'transformer.h.N.attn.'
+        w = state_dict[name].double().view(3, H, d, C)               # q, k, v heads' rows
+        # K without RoPE's pairs, and V: one latent, c = V_rᵀ x
+        kv = torch.cat([w[1][:, nope].reshape(-1, C), w[2].reshape(-1, C)])  # (H (2d - dR), C)
         U, S, Vh = torch.linalg.svd(kv, full_matrices=False)
         r = min(dc, len(S))
-        down = torch.zeros(dc, C, dtype=w.dtype)
-        down[:r] = Vh[:r]
-        up = torch.zeros(len(kv), dc, dtype=w.dtype)
-        up[:, :r] = U[:, :r] * S[:r]
-        k_up = torch.zeros(H, d, dc, dtype=w.dtype)
+        down, up = kv.new_zeros(dc, C), kv.new_zeros(len(kv), dc)
+        down[:r], up[:, :r] = Vh[:r], U[:, :r] * S[:r]
+        k_up = kv.new_zeros(H, d, dc)                                # zero rows: the rope dims
         k_up[:, :d - dR] = up[:H * (d - dR)].view(H, d - dR, dc)
-        # the latent's RMS for ln_1's output γ n + β (n: zero mean, unit variance over channels)
-        gamma, beta = state_dict[layer.replace('attn.', 'ln_1.weight')].double(), state_dict.get(
-            layer.replace('attn.', 'ln_1.bias'))
-        power = (down * gamma).square().sum(1) + (0 if beta is None else (down @ beta.double()).square())
-        out[layer + 'c_q.weight'] = (q_scale * q_w).flatten(0, 1)
-        out[layer + 'kv_down.weight'] = torch.cat([down, w[1][:, rope].mean(0)])
-        out[layer + 'kv_norm.weight'] = power.mean().sqrt().expand(dc).clone()
-        out[layer + 'k_up.weight'] = k_up.flatten(0, 1)
-        out[layer + 'v_up.weight'] = up[H * (d - dR):]
-        if b is not None:
-            q_b = torch.zeros(H, d + dR, dtype=w.dtype)
-            q_b[:, :d - dR], q_b[:, d:] = b[0][:, nope], b[0][:, rope]
-            out[layer + 'c_q.bias'] = (q_scale * q_b).flatten()
-            out[layer + 'kv_down.bias'] = torch.cat([torch.zeros(dc, dtype=w.dtype), b[1][:, rope].mean(0)])
-            proj = layer + 'c_proj.'
-            out[proj + 'bias'] = state_dict[proj + 'bias'].double() + state_dict[proj + 'weight'].double() @ b[2].flatten()
+        # the latent's mean square for ln_1's output γ n + β (n: zero mean, unit variance)
+        ln = attn.replace('attn.', 'ln_1.')
+        power = (down * state_dict[ln + 'weight'].double()).square().sum(1)
+        if ln + 'bias' in state_dict:
+            power += (down @ state_dict[ln + 'bias'].double()).square()
+        out.update({attn + 'c_q.weight': query(w[0]),
+                    attn + 'kv_down.weight': torch.cat([down, w[1][:, rope].mean(0)]),
+                    attn + 'kv_norm.weight': power.mean().sqrt().expand(dc).clone(),
+                    attn + 'k_up.weight': k_up.flatten(0, 1),
+                    attn + 'v_up.weight': up[H * (d - dR):]})
+        if attn + 'c_attn.bias' in state_dict:
+            b = state_dict[attn + 'c_attn.bias'].double().view(3, H, d)
+            proj_w, proj_b = (state_dict[attn + f'c_proj.{p}'].double() for p in ('weight', 'bias'))
+            out.update({attn + 'c_q.bias': query(b[0]),
+                        attn + 'kv_down.bias': torch.cat([kv.new_zeros(dc), b[1][:, rope].mean(0)]),
+                        attn + 'c_proj.bias': proj_b + proj_w @ b[2].flatten()})
     dtype = next(iter(state_dict.values())).dtype
     return {k: v.to(dtype) for k, v in out.items()}
 
@@ -109,15 +110,17 @@ def conversion(init_from, device, meta, data_dir, remake, config, given):
             state = weights(source)
     attn = config['attn']
     if attn not in ('mha', 'gqa', 'mqa', 'mla'):
-        fail(f"converting {init_from} re-lays out its keys and values: attn must be mha, gqa, mqa or "
-             f"mla, not {attn!r}")
+        fail(f"converting {init_from} re-lays out its keys and values: attn must be mha, gqa, mqa "
+             f"or mla, not {attn!r}")
     if source.get('meta') != meta:  # the same tokens, not only as many
         vocab = meta['vocab_size']
         ours = "as many, other ones" if cfg.vocab_size == vocab else f"{vocab:,}"
         fail(f"converting {init_from} needs its vocabulary: it has {cfg.vocab_size} tokens "
              f"({trained_on(source)}), the data in {data_dir} {ours}")
-    # this run's: the layout, its K/V sizes and dropout, a smaller block_size; the source's: the rest
-    block_size = min(config['block_size'], cfg.block_size) if 'block_size' in given else cfg.block_size
+    # this run's: the layout, its K/V sizes, dropout, a smaller block_size; the source's: the rest
+    block_size = cfg.block_size
+    if 'block_size' in given:
+        block_size = min(config['block_size'], block_size)
     own = dict(attn=attn, n_kv_head=config['n_kv_head'], match_mha_params=False,
                dropout=config['dropout'], block_size=block_size,
                **{k: config[k] for k in ('kv_lora_rank', 'rope_head_dim', 'q_lora_rank')})
@@ -130,16 +133,17 @@ def conversion(init_from, device, meta, data_dir, remake, config, given):
         by = given[k]
         return f"--{k}={config[k]}" if by.startswith('--') else f"{k}={config[k]} of {by}"
     longer = config['block_size'] > cfg.block_size  # (positions it never learned)
-    conflicts = [f"{asked(k)} (the checkpoint has {v})" for k, v in shape.items()
-                 if k in given and (k not in own and config[k] != v or k == 'block_size' and longer)]
+    conflicts = [f"{asked(k)} (the checkpoint has {v})" for k, v in shape.items() if k in given
+                 and (k not in own and config[k] != v or k == 'block_size' and longer)]
     if conflicts:
         fail(f"converting {init_from} keeps its shape: drop {', '.join(conflicts)}")
     print(f"the shape of {init_from}: " + ' '.join(f"{k}={shape[k]}" for k in SHAPE))
     try:
         # this run's K/V sizes, the source's n_head
         gptconf = GPTConfig(vocab_size=meta['vocab_size'], **{**shape, **own})
-        if cfg.pos_emb == 'learned':
-            state = dict(state, **{'transformer.wpe.weight': state['transformer.wpe.weight'][:block_size]})
+        if cfg.pos_emb == 'learned':  # the positions it keeps
+            wpe = 'transformer.wpe.weight'
+            state = {**state, wpe: state[wpe][:block_size]}
         if attn == 'mla':
             return gptconf, to_mla(state, cfg, gptconf)
         return gptconf, pool_kv_heads(state, cfg, gptconf.n_kv_head)

@@ -23,7 +23,8 @@ def is_gpt2(init_from):
 
 
 def gpt2(init_from, dropout=0.0):
-    """(GPTConfig, state_dict, meta) of GPT-2 init_from, float32 on the CPU; FileError in one line."""
+    """(GPTConfig, state_dict, meta) of GPT-2 init_from, float32 on the CPU; else FileError, one
+    line."""
     try:
         import transformers
     except ImportError:
@@ -40,12 +41,14 @@ def gpt2(init_from, dropout=0.0):
         raise FileError(f"cannot load GPT-2 from {init_from}: {describe(e)}") from None
     c = hf.config
     unlike = {'activation_function': c.activation_function not in GELU,
-              'n_inner': c.n_inner not in (None, 4 * c.n_embd), 'layer_norm_epsilon': c.layer_norm_epsilon != 1e-5,
+              'n_inner': c.n_inner not in (None, 4 * c.n_embd),
+              'layer_norm_epsilon': c.layer_norm_epsilon != 1e-5,
               'scale_attn_by_inverse_layer_idx': c.scale_attn_by_inverse_layer_idx,
-              'reorder_and_upcast_attn': c.reorder_and_upcast_attn, 'scale_attn_weights': not c.scale_attn_weights}
+              'reorder_and_upcast_attn': c.reorder_and_upcast_attn,
+              'scale_attn_weights': not c.scale_attn_weights}
     if wrong := [k for k, differs in unlike.items() if differs]:
-        raise FileError(f"{init_from}: {wrong[0]}={getattr(c, wrong[0])!r} is not GPT-2's, which our GPT "
-                        "computes")
+        value = getattr(c, wrong[0])
+        raise FileError(f"{init_from}: {wrong[0]}={value!r} is not GPT-2's, which our GPT computes")
     config = GPTConfig(block_size=c.n_positions, vocab_size=c.vocab_size, n_layer=c.n_layer,
                        n_head=c.n_head, n_embd=c.n_embd, dropout=dropout, bias=True, attn='mha',
                        pos_emb='learned', gelu_tanh=GELU[c.activation_function])

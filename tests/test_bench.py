@@ -168,7 +168,8 @@ def test_cache_report(tmp_path):
     # 2 * n_layer * h_kv * d_k
     per_token = dict(re.findall(r"^\| (mha|mqa) \| \d+ \| ([\d,]+) \|", out, re.M))
     assert per_token == {'mha': f"{2 * 6 * 6 * 64:,}", 'mqa': f"{2 * 6 * 1 * 64:,}"}
-    ratios = re.findall(r"^\| (mha|gqa|mqa|mla|linear) \| .* \| ([\d.]+) \|$", out.split('**')[0], re.M)
+    toy = out.split('**')[0]  # (then the published models)
+    ratios = re.findall(r"^\| (mha|gqa|mqa|mla|linear) \| .* \| ([\d.]+) \|$", toy, re.M)
     assert ratios == [('mha', '1.000'), ('mqa', '1.000')]  # measured / formula
     # then the chapter's model and the published ones, each re-laid out
     assert "| mla | 32 x MLA, d_c 512 + d_R 64 | 36 | 0.28 | 0.02 |" in out
@@ -240,13 +241,14 @@ def test_convert_report_from_a_source(tmp_path, char_data):
     from scratch. GPT-2 (a save_pretrained folder) the same way, where transformers is installed."""
     mha = tmp_path / 'mha'
     r = subprocess.run([sys.executable, 'train.py', 'config/cpu.py', '--n_layer=1', '--n_embd=32',
-                        '--max_iters=20', '--eval_interval=10', '--eval_iters=2', f'--out_dir={mha}',
-                        f'--data_dir={char_data}'], cwd=ROOT, capture_output=True, text=True)
+                        '--max_iters=20', '--eval_interval=10', '--eval_iters=2',
+                        f'--out_dir={mha}', f'--data_dir={char_data}'],
+                       cwd=ROOT, capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
     out = bench('convert', f'--source={mha}', '--max_iters=4', '--fractions=0,0.5',
                 f'--out={tmp_path / "r"}', '--', '--eval_iters=2', f'--data_dir={char_data}')
-    rows = re.findall(r"^\| (MHA|GQA, 2 K/V heads|MQA|MLA) \| ([^|]+) \| ([\d,]+) \| .* \| ([\d.]+) \| "
-                      r"[-+][\d.]+ \|$", out.split('**Every run**')[1], re.M)
+    rows = re.findall(r"^\| (MHA|GQA, 2 K/V heads|MQA|MLA) \| ([^|]+) \| ([\d,]+) \| .* "
+                      r"\| ([\d.]+) \| [-+][\d.]+ \|$", out.split('**Every run**')[1], re.M)
     assert [r[:3] for r in rows] == [
         ('MHA', f'{mha}, as it is', '0'),
         ('GQA, 2 K/V heads', 'MHA mean-pooled, no uptraining', '0'),
@@ -256,7 +258,8 @@ def test_convert_report_from_a_source(tmp_path, char_data):
         ('MLA', 'MHA factorised (joint SVD), no uptraining', '0'),
         ('MLA', 'MHA factorised (joint SVD), uptrained 50.0%', '2')]
     # the source as it is: the val loss its own run measured on the same batches
-    best = min(m['val/loss'] for m in map(json.loads, open(mha / 'metrics.jsonl')) if 'val/loss' in m)
+    logged = map(json.loads, open(mha / 'metrics.jsonl'))
+    best = min(m['val/loss'] for m in logged if 'val/loss' in m)
     assert float(rows[0][3]) == pytest.approx(best, abs=1e-4)
     transformers = pytest.importorskip('transformers')
     torch.manual_seed(0)
@@ -266,8 +269,10 @@ def test_convert_report_from_a_source(tmp_path, char_data):
     bpe = tmp_path / 'bpe'
     bpe.mkdir()
     for split, n in (('train', 3000), ('val', 1000)):
-        (np.random.default_rng(0).integers(0, 50257, n)).astype(np.uint16).tofile(bpe / f'{split}.bin')
-    (bpe / 'meta.json').write_text(json.dumps({'kind': 'tiktoken', 'encoding': 'gpt2', 'vocab_size': 50257}))
+        ids = np.random.default_rng(0).integers(0, 50257, n)
+        ids.astype(np.uint16).tofile(bpe / f'{split}.bin')
+    meta = {'kind': 'tiktoken', 'encoding': 'gpt2', 'vocab_size': 50257}
+    (bpe / 'meta.json').write_text(json.dumps(meta))
     out = bench('convert', f'--source={tmp_path / "gpt2"}', '--max_iters=2', '--fractions=0,1',
                 f'--out={tmp_path / "g"}', '--', '--eval_iters=1', f'--data_dir={bpe}')
     assert 'MHA factorised (joint SVD), uptrained 100.0%' in out
@@ -805,11 +810,12 @@ def test_published_models_caches():
     assert read('falcon-7b').cache_bytes(1, size) == 32 * 2 * 1 * 64 * size  # multi_query
     # a 4,096-token window: no more past it
     mistral = read('mistral-7b-v0.1')
-    assert mistral.cache_bytes(8192, size) == mistral.cache_bytes(4096, size) == 4096 * 32 * 2 * 8 * 128 * size
+    window = 4096 * 32 * 2 * 8 * 128 * size
+    assert mistral.cache_bytes(8192, size) == mistral.cache_bytes(4096, size) == window
     # MLA: [c | k_R] per layer, never K and V per head
     assert read('deepseek-v3').cache_bytes(1, size) == 61 * (512 + 64) * size
-    # 12 softmax layers (2 K/V heads of 256) and 36 Gated DeltaNet layers: a float32 state of 32 heads
-    # of 128 x 128, and the conv's last 3 inputs of q, k (16 heads) and v (32 heads)
+    # 12 softmax layers (2 K/V heads of 256) and 36 Gated DeltaNet layers: a float32 state of 32
+    # heads of 128 x 128, and the conv's last 3 inputs of q, k (16 heads) and v (32 heads)
     qwen = read('qwen3-next-80b-a3b')
     state = 36 * (32 * 128 * 128 + (2 * 16 * 128 + 32 * 128) * 3) * 4
     assert qwen.cache_bytes(0, size) == state
@@ -831,13 +837,13 @@ def test_published_models_weights_as_transformers_counts_them():
 def test_a_config_the_calculator_cannot_read_is_one_line(tmp_path, capsys):
     llama = json.load(open(os.path.join(ROOT, 'models', 'llama-3-8b.json')))
     cases = {
-        'bert.json': (dict(llama, model_type='bert'), "model_type 'bert' is not one bench.py cache reads"),
+        'bert.json': (dict(llama, model_type='bert'), "model_type 'bert' is not one"),
         'chunked.json': (dict(llama, attention_chunk_size=8192),
                          "'attention_chunk_size' changes what a layer caches"),
         'vlm.json': (dict(llama, text_config={}), "'text_config' changes what a layer caches"),
         'short.json': ({k: v for k, v in llama.items() if k != 'num_hidden_layers'},
                        "a llama config needs 'num_hidden_layers'"),
-        'zero.json': (dict(llama, num_key_value_heads=0, head_dim=-1), "its sizes are not positive"),
+        'zero.json': (dict(llama, head_dim=-1), "its sizes are not positive"),
         'list.json': ([], "not a config.json"),
         'types.json': (dict(llama, layer_types=['full_attention', 'chunked_attention'] * 16),
                        "layer_types ['chunked_attention', 'full_attention']"),
@@ -851,8 +857,9 @@ def test_a_config_the_calculator_cannot_read_is_one_line(tmp_path, capsys):
             bench_main(['cache', f'--models={tmp_path / name}', f'--out={tmp_path}'])
         err = capsys.readouterr().err
         assert e.value.code == 2 and msg in err and len(err.strip().splitlines()) == 1, err
-    for sizes, msg in [('n_layer=32,n_head=32', "head_dim=N"), ('n_layer=32,n_head=32,head_dim=x',
-                       "sizes are numbers"), ('n_layer=2,n_head=6,head_dim=8,n_kv_head=4', "dividing")]:
+    for sizes, msg in [('n_layer=32,n_head=32', "head_dim=N"),
+                       ('n_layer=32,n_head=32,head_dim=x', "sizes are numbers"),
+                       ('n_layer=2,n_head=6,head_dim=8,n_kv_head=4', "dividing")]:
         with pytest.raises(SystemExit):
             bench_main(['cache', '--models=', f'--sizes={sizes}', f'--out={tmp_path}'])
         err = capsys.readouterr().err

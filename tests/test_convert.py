@@ -1,5 +1,5 @@
-"""MHA -> GQA / MQA conversion by mean-pooling K/V heads (Ainslie et al. 2023), MHA -> MLA by a joint
-SVD of the keys and values, and train.py's --init_from=<an MHA out_dir>."""
+"""MHA -> GQA / MQA conversion by mean-pooling K/V heads (Ainslie et al. 2023), MHA -> MLA by a
+joint SVD of the keys and values, and train.py's --init_from=<an MHA out_dir>."""
 import os
 import re
 import shlex
@@ -159,7 +159,8 @@ def test_train_py_converts_an_mha_checkpoint(tmp_path, char_data):
     prepare(str(tmp_path / 'greek'), str(tmp_path / 'greek.txt'))
     greek = f'--data_dir={tmp_path / "greek"}'
     for args, said in (
-            ([f'--data_dir={char_data}', '--attn=linear'], "attn must be mha, gqa, mqa or mla, not 'linear'"),
+            ([f'--data_dir={char_data}', '--attn=linear'],
+             "attn must be mha, gqa, mqa or mla, not 'linear'"),
             # a hybrid target
             ([f'--data_dir={char_data}', '--attn=deltanet+gqa'], "not 'deltanet+gqa'"),
             ([f'--data_dir={tmp_path / "lower"}', '--attn=gqa'],
@@ -202,8 +203,9 @@ def test_a_conversion_source_missing_a_weight_or_longer_than_the_data_is_one_lin
     (np.arange(2000) % 65).astype(np.uint16).tofile(short / 'train.bin')
     (np.arange(280) % 65).astype(np.uint16).tofile(short / 'val.bin')
     # (cpu.py's block_size=64 would crop the source to 64: asked for whole)
-    r = run('train.py', *long_run, '--attn=gqa', f'--init_from={tmp_path / "long"}', '--block_size=300',
-            f'--out_dir={tmp_path / "y"}', f'--data_dir={short}', '--max_iters=2')
+    r = run('train.py', *long_run, '--attn=gqa', f'--init_from={tmp_path / "long"}',
+            '--block_size=300', f'--out_dir={tmp_path / "y"}', f'--data_dir={short}',
+            '--max_iters=2')
     assert 'val.bin has 280 tokens, not more than block_size=300' in one_line(r)
 
 

@@ -14,12 +14,12 @@ from run.gpt2 import gpt2
 
 
 def saved_gpt2(folder, activation='gelu_new', vocab=100, **sizes):
-    """A randomly initialised GPT-2 written by save_pretrained: (transformers' model, the folder)."""
+    """A random GPT-2 written by save_pretrained: (transformers' model, the folder)."""
     transformers = pytest.importorskip('transformers')
     torch.manual_seed(0)
-    config = transformers.GPT2Config(n_layer=2, n_embd=48, n_head=4, n_positions=64, vocab_size=vocab,
-                                     activation_function=activation, bos_token_id=0, eos_token_id=0,
-                                     **sizes)
+    config = transformers.GPT2Config(n_layer=2, n_embd=48, n_head=4, n_positions=64,
+                                     vocab_size=vocab, activation_function=activation,
+                                     bos_token_id=0, eos_token_id=0, **sizes)
     hf = transformers.GPT2LMHeadModel(config).eval()
     hf.save_pretrained(folder)
     return hf, str(folder)
@@ -55,7 +55,8 @@ def test_greedy_generation_with_our_cache_gives_transformers_tokens(tmp_path):
 def test_a_gpt2_folder_it_cannot_read_is_one_line(tmp_path):
     _, folder = saved_gpt2(tmp_path / 'ok')
     (tmp_path / 'no_weights').mkdir()
-    (tmp_path / 'no_weights' / 'config.json').write_text(open(os.path.join(folder, 'config.json')).read())
+    config = open(os.path.join(folder, 'config.json')).read()
+    (tmp_path / 'no_weights' / 'config.json').write_text(config)
     _, other = saved_gpt2(tmp_path / 'inner', n_inner=100)
     for source, said in [(tmp_path / 'no_weights', 'cannot load GPT-2 from'),
                          (other, "n_inner=100 is not GPT-2's")]:
@@ -87,8 +88,7 @@ def test_train_py_fine_tunes_and_converts_gpt2(tmp_path):
     ckpt = torch.load(tmp_path / 'tuned' / 'last.pt', weights_only=True)
     assert ckpt['model_args']['block_size'] == 32 and ckpt['model_args']['gelu_tanh'] is True
     assert ckpt['model']['transformer.wpe.weight'].shape == (32, 48)
-    # iteration 0's val loss: transformers' GPT-2 on a val batch is in the same range (random weights:
-    # ~log(50257)); the exact match is the logits test's
+    # iteration 0's val loss: random weights, ~log(50257); the exact match is the logits test's
     first = metrics(tmp_path / 'tuned')[0]['val/loss']
     assert abs(first - np.log(50257)) < 0.1
     r = train(tmp_path / 'mla', data, *args, '--attn=mla', base=[])
@@ -106,8 +106,8 @@ def test_without_transformers_gpt2_is_one_line(tmp_path):
     env = {'PYTHONPATH': str(tmp_path)}
     data = bpe_data(tmp_path / 'bpe', 50257)
     for script, *args in [('sample.py', '--init_from=gpt2'),
-                          ('train.py', *TINY_TRAIN, '--init_from=gpt2', f'--out_dir={tmp_path / "o"}',
-                           f'--data_dir={data}')]:
+                          ('train.py', *TINY_TRAIN, '--init_from=gpt2',
+                           f'--out_dir={tmp_path / "o"}', f'--data_dir={data}')]:
         r = run(script, *args, env=env)
         assert 'pip install -r requirements-hf.txt' in one_line(r), r.stderr
     assert not (tmp_path / 'o').exists()

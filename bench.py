@@ -9,7 +9,7 @@ puts its headline into README.md. A report is a module of benchmarks/, with its 
     python bench.py train --nanogpt PATH  # ... and the training step next to nanoGPT's model.py
     python bench.py decode                # decode roofline, decode vs context, generation
     python bench.py decode --compile      # ... and the roofline's step compiled (a static cache)
-    python bench.py convert               # MHA -> GQA / MQA by mean-pooling K/V heads, uptrained
+    python bench.py convert               # MHA -> GQA / MQA (mean-pooled), MLA (SVD), uptrained
     python bench.py mqar                  # associative recall: what a fixed state can hold
     python bench.py gpu --nanogpt PATH    # the one GPU report: roofline, generation, step, fla
 """

@@ -49,7 +49,7 @@ log_interval = 10               # print and log the training loss every this man
 eval_iters = 200                # batches per split in an evaluation
 eval_only = False               # evaluate once (--init_from=resume: the checkpoint), write nothing
 always_save_checkpoint = False  # else only when val loss improves
-init_from = 'scratch'           # 'scratch', 'resume' (out_dir's newest state), or an MHA out_dir
+init_from = 'scratch'           # scratch, resume, an MHA out_dir, or GPT-2 (gpt2[-medium..], a dir)
 overwrite = False               # a new run may replace out_dir's checkpoints (else it is refused)
 sample_every_eval = False       # print a short sample at each evaluation (W&B: always, a table)
 # logging

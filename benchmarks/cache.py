@@ -32,16 +32,18 @@ def add_arguments(p):
          "[, n_kv_head, params]")
     flag(p, 'context', 8192, count, 'tokens in the cache')
     flag(p, 'batch', 1, count, 'sequences')
-    dtype = checked(DTYPES.__getitem__, bool, f"choose from {', '.join(DTYPES)}")
-    flag(p, 'dtype', 'bfloat16', dtype, "the cached keys' and values' type (a linear layer's "
-         "state: float32 at least)")
+    dtype = checked(DTYPES.get, bool, f"choose from {', '.join(DTYPES)}")
+    flag(p, 'dtype', 'bfloat16', dtype, f"{', '.join(DTYPES)}: the type of the cached keys and "
+         "values, and of the weights (a linear layer's state: float32 at least)")
 
 
 def check(args, error):
     """Every config read before any work: one line for the first one we cannot read."""
     paths = []
-    try:
+    try:  # a model's folder: its config.json; another folder: its .json files
         for path in args.models.split(',') if args.models else []:
+            if os.path.isfile(os.path.join(path, 'config.json')):
+                path = os.path.join(path, 'config.json')
             paths += sorted(os.path.join(path, f) for f in os.listdir(path)
                             if f.endswith('.json')) if os.path.isdir(path) else [path]
         sized = [from_sizes(args.sizes)] if args.sizes else []
@@ -143,7 +145,8 @@ def model_rows(m, args):
     rows = [(name, m.layout(), first, m.cache_bytes(T, size) * B)]
     for name, cfg in relaid(m).items():
         if cfg is None:
-            rows.append((name, f"{m.n_head} query heads have no groups of 4", None, None))
+            why = f"{m.n_head} query heads have no groups of 4"
+            rows.append((name.split(',')[0], why, None, None))
             continue
         first = cfg.cache_bytes(1, args.dtype) - cfg.cache_bytes(0, args.dtype)
         rows.append((name, keeps(cfg), first, cfg.cache_bytes(T, args.dtype) * B))
@@ -159,7 +162,8 @@ def model_section(m, args):
         cells = [name, what, '—' if per_tok is None else kib(per_tok),
                  '—' if total is None else f"{total / GiB:,.2f}"]
         lines.append(row(*cells, *[f"{total / weights:.2f}" if total else '—'] * bool(weights)))
-    about = (f"{m.params / 1e9:,.1f}B parameters, {weights / GiB:,.1f} GiB of weights at "
+    count = f"{m.params / 1e9:,.1f}B" if m.params >= 1e9 else f"{m.params / 1e6:,.1f}M"
+    about = (f"{count} parameters, {weights / GiB:,.1f} GiB of weights at "
              f"{args.dtype.itemsize * 8} bits; " if weights else '')
     notes = ''.join(f"; {n}" for n in m.notes)
     return (f"\n**{m.name}**: {about}{m.n_layer} layers, {m.n_head} query heads of {m.head_dim}; "

@@ -1,15 +1,14 @@
 """
-bench.py convert: an MHA model converted to GQA, MQA (K/V heads mean-pooled) and MLA (a joint SVD of
-its keys and values), then fine-tuned, next to each layout's cache.
+bench.py convert: MHA converted to GQA, MQA (mean-pooled) and MLA (SVD), uptrained, by cache.
 
-As Ainslie et al. 2023 (and MHA2MLA for MLA): the MHA trained here on the CPU preset, with GQA, MQA
+As Ainslie et al. 2023 (and MHA2MLA for MLA): an MHA trained here on the CPU preset, with GQA, MQA
 and MLA trained from scratch beside it; or --source: any MHA checkpoint of ours (an out_dir), or
-GPT-2 (gpt2, or a save_pretrained folder; pip install -r requirements-hf.txt) fine-tuned on
-GPT-2-tokenized data:
+GPT-2 (gpt2, or a save_pretrained folder; pip install -r requirements-hf.txt) on GPT-2-tokenized
+data, the MHA uptrained as long as each conversion (another text: it learns it too):
 
     python bench.py convert
-    python bench.py convert --source=out-shakespeare-char
-    python bench.py convert --source=gpt2 --max_iters=300 -- --dataset=shakespeare
+    python bench.py convert --source=out-shakespeare-char-mha
+    python bench.py convert --source=gpt2 --max_iters=300 -- --dataset=shakespeare --eval_iters=20
 """
 import os
 
@@ -73,29 +72,29 @@ def convert_report(args):
     mha = source or os.path.join(out, 'mha')
     tuning = lambda n: [f"--init_from={mha}", f'--warmup_iters={n // 10}', f'--learning_rate={lr}',
                         f'--min_lr={lr / 10}']
-    # {(layout, fine-tuning iterations or None): the run}
-    runs = {('mha', None): run('mha', 'mha', 0, *tuning(0)) if source else run('mha', 'mha', iters)}
-    for attn in ('gqa', 'mqa', 'mla'):
-        if not source:
+    # {(layout, uptraining iterations or None: from scratch): the run}; a source's MHA uptrained too
+    runs = {} if source else {('mha', None): run('mha', 'mha', iters)}
+    for attn in ('mha', 'gqa', 'mqa', 'mla'):
+        if not source and attn != 'mha':
             runs[attn, None] = run(f'{attn}-scratch', attn, iters, '--match_mha_params=False')
-        for n in ups:
+        for n in ups if source or attn != 'mha' else []:
             runs[attn, n] = run(f'{attn}-uptrain-{n}', attn, n, *tuning(n))
     val = {key: r['evals'][-1]['val/loss'] for key, r in runs.items()}
     cache = {key: r['evals'][-1]['cache_bytes_per_token'] for key, r in runs.items()}
     rows = {(a, n): convert_row(a, n, r, iters, val, source) for (a, n), r in runs.items()}
     header = ['model', 'made by', 'iterations', 'params', 'cache bytes/token (fp32)', 'val loss',
-              "minus MHA's"]
+              "minus MHA's" + " (as uptrained)" * bool(source)]
     summary = table(header, [line for (a, n), line in rows.items() if n in (None, 0, shown)])
     if shown and 0 in ups:
         summary += gap_closed(val, shown, iters)
-    loss_against_cache(os.path.join(args.out, 'convert.png'), val, cache, ups, iters)
+    loss_against_cache(os.path.join(args.out, 'convert.png'), val, cache, ups)
     fractions = ','.join(f'{f:g}' for f in args.fractions)
     # the last --eval_iters counts
     evals = ['200', *(x.split('=')[1] for x in args.extra if x.startswith('--eval_iters='))][-1]
     run_line = command(args, f'--max_iters={iters}', f'--lr={lr:g}', f'--fractions={fractions}',
                        *[f'--source={source}'] * bool(source))
-    what = (f"{source} converted, fine-tuned with {' '.join(TUNING[2:])} (its block_size cropped)"
-            if source else "config/cpu.py (4 layers, 4 heads, 128 wide, block 64)")
+    what = (f"{source} converted, uptrained with {' '.join(TUNING[2:])} (a longer block_size "
+            "cropped to it)" if source else "config/cpu.py (4 layers, 4 heads, 128 wide, block 64)")
     return (f"`{run_line}` on {machine()}: {what}, seed 1337, val loss = mean of the same {evals} "
             f"val batches.\n\n" + summary + "\n![val loss vs cache bytes per token](convert.png)\n"
             + MORE + "\n**Every run**:\n\n" + table(header, list(rows.values()))
@@ -105,44 +104,46 @@ def convert_report(args):
             "how the keys, values and positions are carried over.\n")
 
 
-def made_by(attn, n, iters, source):  # n: the fine-tuning's iterations, None: from scratch
-    if attn == 'mha':
-        return f'{source}, as it is' if source else 'trained from scratch'
+def made_by(attn, n, iters, source):  # n: the uptraining's iterations, None: from scratch
     if n is None:
         return 'trained from scratch'
-    how = f'MHA {HOW[attn]}'
+    how = source if attn == 'mha' else f'MHA {HOW[attn]}'
     return f'{how}, uptrained {n / iters:.1%}' if n else f'{how}, no uptraining'
 
 
+def mha(val, n):
+    """The val loss a conversion uptrained n iterations is compared with: the source MHA uptrained
+    as long, or the MHA trained here."""
+    return val.get(('mha', n), val.get(('mha', None)))
+
+
 def convert_row(attn, n, run, iters, val, source):
-    iterations = f"{iters:,}" + ('' if n is None else f' + {n:,}') if not source else f"{n or 0:,}"
+    iterations = f"{iters:,}" + ('' if n is None else f' + {n:,}') if not source else f"{n:,}"
     return row(NAME[attn], made_by(attn, n, iters, source), iterations, f"{run['params']}M",
                f"{run['evals'][-1]['cache_bytes_per_token']:,.0f}", f"{val[attn, n]:.4f}",
-               f"{val[attn, n] - val['mha', None]:+.4f}")
+               f"{val[attn, n] - mha(val, n):+.4f}")
 
 
 def gap_closed(val, shown, iters):
-    """The share of the gap to MHA that each conversion opened, closed by `shown` iterations of
-    fine-tuning."""
-    mha = val['mha', None]
-    shares = [f"{NAME[a]} {(val[a, 0] - val[a, shown]) / (val[a, 0] - mha):.0%}" if val[a, 0] > mha
+    """The share of each conversion's gap to MHA that `shown` iterations of uptraining close."""
+    gap = lambda a, n: val[a, n] - mha(val, n)
+    shares = [f"{NAME[a]} {1 - gap(a, shown) / gap(a, 0):.0%}" if gap(a, 0) > 0
               else f"{NAME[a]}: no gap" for a in ('gqa', 'mqa', 'mla')]
     return (f"\nShare of the gap to MHA opened by converting that {100 * shown / iters:g}% "
             "uptraining closes: " + ", ".join(shares) + ".\n")
 
 
-def loss_against_cache(path, val, cache, ups, iters):
-    """Each conversion's val loss against its cache bytes per token, from 0 iterations of uptraining
-    to the most; MHA and the models trained from scratch as points, in their layout's colour."""
-    star = dict(marker='*', ms=12, ls='', color='C0')
-    lines = [([cache['mha', None]], [val['mha', None]], 'MHA', star)]
-    for attn, color in (('gqa', 'C1'), ('mqa', 'C3'), ('mla', 'C4')):
-        xs = [cache[attn, n] for n in ups]
-        lines.append((xs, [val[attn, n] for n in ups],
-                      f"{NAME[attn]}: converted, uptrained {ups[0]} to {ups[-1]} iterations",
-                      dict(marker='o', color=color)))
+def loss_against_cache(path, val, cache, ups):
+    """Each conversion's val loss against its cache bytes per token, uptrained 0 iterations (the
+    top point) to the most; the models trained from scratch as squares, in their layout's colour."""
+    lines = []
+    for attn, color in (('mha', 'C0'), ('gqa', 'C1'), ('mqa', 'C3'), ('mla', 'C4')):
+        if (attn, ups[0]) in val:
+            xs, ys = [cache[attn, n] for n in ups], [val[attn, n] for n in ups]
+            label = f"{NAME[attn]}, {ups[0]}-{ups[-1]} it."
+            lines.append((xs, ys, label, dict(marker='o', color=color)))
         if (attn, None) in val:
-            lines.append(([cache[attn, None]], [val[attn, None]], f"{NAME[attn]}: from scratch",
+            lines.append(([cache[attn, None]], [val[attn, None]], f"{NAME[attn]}, from scratch",
                           dict(marker='s', ls='', color=color, mfc='none', ms=9)))
-    plot(path, lines, LEGEND_OUTSIDE, xscale='log', xlabel='cache bytes per token (fp32)',
-         ylabel='val loss', title=f'Converted from MHA, then uptrained (of {iters:,} iterations)')
+    plot(path, lines, LEGEND_OUTSIDE, xlabel='cache bytes per token (fp32)', ylabel='val loss',
+         title='Converted from MHA, then uptrained')

@@ -56,12 +56,15 @@ def softmax_layers(c, n_kv, d, windowed=None):
     return [g for g in groups if g[0]]
 
 
-def llama(c):  # llama, mistral: RMSNorm, SwiGLU MLP
+def llama(c):  # llama, mistral, qwen2 (q, k, v biases), qwen3 (q, k RMSNorms): SwiGLU MLPs
     C, H, L = c['hidden_size'], c['num_attention_heads'], c['num_hidden_layers']
     kv, d = c.get('num_key_value_heads') or H, c.get('head_dim') or C // H
-    I = c['intermediate_size']
-    bias = bool(c.get('attention_bias'))
-    attn = 2 * C * H * d + 2 * C * kv * d + bias * (H * d + 2 * kv * d + C)
+    I, kind, bias = c['intermediate_size'], c['model_type'], bool(c.get('attention_bias'))
+    if kind.startswith('qwen') and c.get('use_sliding_window'):
+        raise ModelError("use_sliding_window: Qwen's windows on some layers are not read here")
+    qwen2 = kind == 'qwen2'  # (its q, k, v have biases, its output none, whatever attention_bias)
+    attn = 2 * C * H * d + 2 * C * kv * d + (bias and not qwen2) * C
+    attn += (bias or qwen2) * (H * d + 2 * kv * d) + (kind == 'qwen3') * 2 * d
     layer = attn + 3 * C * I + bool(c.get('mlp_bias')) * (2 * I + C) + 2 * C
     params = embeddings(c) + L * layer + C
     return Published(softmax_layers(c, kv, d), params, L, H, d)
@@ -134,8 +137,9 @@ def embeddings(c, tied=False):  # the token embedding, and the head unless tied 
     return c['vocab_size'] * c['hidden_size'] * (1 + (not c.get('tie_word_embeddings', tied)))
 
 
-FAMILIES = {'llama': llama, 'mistral': llama, 'falcon': falcon, 'gpt2': gpt2,
-            'deepseek_v2': deepseek, 'deepseek_v3': deepseek, 'qwen3_next': qwen3_next}
+FAMILIES = {'llama': llama, 'mistral': llama, 'qwen2': llama, 'qwen3': llama, 'falcon': falcon,
+            'gpt2': gpt2, 'deepseek_v2': deepseek, 'deepseek_v3': deepseek,
+            'qwen3_next': qwen3_next}
 # the UNREAD fields a family reads
 OWN = {'deepseek_v2': 'kv_lora_rank', 'deepseek_v3': 'kv_lora_rank',
        'qwen3_next': 'linear_num_value_heads'}
@@ -153,7 +157,7 @@ def read_config(path):
     kind = c.get('model_type')
     if kind not in FAMILIES:
         raise ModelError(f"{path}: model_type {kind!r} is not one bench.py cache reads "
-                         f"({', '.join(FAMILIES)})")
+                         f"({', '.join(FAMILIES)}); give its sizes with --sizes=")
     unread = [k for k in UNREAD if c.get(k) is not None and OWN.get(kind) != k]
     if unread:
         raise ModelError(f"{path}: {unread[0]!r} changes what a layer caches, and a {kind} config "
@@ -170,7 +174,10 @@ def read_config(path):
         raise ModelError(f"{path}: a {kind} config needs {e.args[0]!r}") from None
     except (TypeError, ValueError, ZeroDivisionError):
         raise ModelError(f"{path}: its sizes are not positive integers") from None
-    model.name, model.source = os.path.splitext(os.path.basename(path))[0], path
+    name = os.path.splitext(os.path.basename(path))[0]  # (a model's folder: its name)
+    if name == 'config':
+        name = os.path.basename(os.path.dirname(os.path.abspath(path)))
+    model.name, model.source = name, path
     return model
 
 

@@ -92,7 +92,8 @@ def tokenizer(meta):
         enc = tiktoken.get_encoding(meta['encoding'])
     except Exception as e:
         raise PrepareError(f"cannot load tiktoken encoding {meta['encoding']!r} "
-                           f"({type(e).__name__}); it is downloaded on first use") from None
+                           f"({type(e).__name__}); it is downloaded on first use: run once with a "
+                           "network, or set TIKTOKEN_CACHE_DIR to a cached copy") from None
     special = {'<|endoftext|>'} & enc.special_tokens_set
     return lambda s: enc.encode(s, allowed_special=special), enc.decode
 

@@ -109,9 +109,14 @@ def conversion(init_from, device, meta, data_dir, remake, config, given):
             source, cfg = read_checkpoint(os.path.join(init_from, 'ckpt.pt'), device, RESUME)
             state = weights(source)
     attn = config['attn']
+    if cfg.attn != 'mha':
+        fail(f"converting {init_from} needs an 'mha' checkpoint; this one is {cfg.attn!r}")
     if attn not in ('mha', 'gqa', 'mqa', 'mla'):
         fail(f"converting {init_from} re-lays out its keys and values: attn must be mha, gqa, mqa "
              f"or mla, not {attn!r}")
+    if source.get('meta') != meta and is_gpt2(init_from):
+        fail(f"{init_from} reads GPT-2's BPE tokens: train on --dataset=shakespeare (or a "
+             f"--data_dir prepared with tiktoken's 'gpt2'), not {data_dir}")
     if source.get('meta') != meta:  # the same tokens, not only as many
         vocab = meta['vocab_size']
         ours = "as many, other ones" if cfg.vocab_size == vocab else f"{vocab:,}"

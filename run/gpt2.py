@@ -36,10 +36,18 @@ def gpt2(init_from, dropout=0.0):
     huggingface_hub.logging.set_verbosity_error()
     transformers.logging.disable_progress_bar()
     try:
-        hf = transformers.GPT2LMHeadModel.from_pretrained(init_from).float()
-    except Exception as e:  # no such folder or file, no network, another model's config
+        GPT2 = transformers.GPT2LMHeadModel
+        hf, loaded = GPT2.from_pretrained(init_from, output_loading_info=True)
+        c = hf.config
+    except Exception as e:  # no such folder or file, no network, a broken file
         raise FileError(f"cannot load GPT-2 from {init_from}: {describe(e)}") from None
-    c = hf.config
+    # another model's folder loads too, as a GPT-2 with random weights: refused
+    missing = loaded['missing_keys'] or loaded['mismatched_keys']
+    if c.model_type != 'gpt2' or missing:
+        what = f"model_type {c.model_type!r}" if c.model_type != 'gpt2' else f"no {missing[0]}"
+        raise FileError(f"{init_from} is not GPT-2's weights ({what}): --init_from takes gpt2, "
+                        "gpt2-medium, -large, -xl, or a folder GPT-2's save_pretrained wrote")
+    hf = hf.float()
     unlike = {'activation_function': c.activation_function not in GELU,
               'n_inner': c.n_inner not in (None, 4 * c.n_embd),
               'layer_norm_epsilon': c.layer_norm_epsilon != 1e-5,

@@ -237,8 +237,8 @@ def test_convert_experiment_on_a_tiny_model(tmp_path, char_data):
 
 @pytest.mark.slow
 def test_convert_report_from_a_source(tmp_path, char_data):
-    """--source: an MHA out_dir of ours evaluated as it is, then converted and uptrained; no model
-    from scratch. GPT-2 (a save_pretrained folder) the same way, where transformers is installed."""
+    """--source: an MHA out_dir of ours, uptrained as long as its conversions are; no model from
+    scratch. GPT-2 (a save_pretrained folder) the same way, where transformers is installed."""
     mha = tmp_path / 'mha'
     r = subprocess.run([sys.executable, 'train.py', 'config/cpu.py', '--n_layer=1', '--n_embd=32',
                         '--max_iters=20', '--eval_interval=10', '--eval_iters=2',
@@ -250,7 +250,8 @@ def test_convert_report_from_a_source(tmp_path, char_data):
     rows = re.findall(r"^\| (MHA|GQA, 2 K/V heads|MQA|MLA) \| ([^|]+) \| ([\d,]+) \| .* "
                       r"\| ([\d.]+) \| [-+][\d.]+ \|$", out.split('**Every run**')[1], re.M)
     assert [r[:3] for r in rows] == [
-        ('MHA', f'{mha}, as it is', '0'),
+        ('MHA', f'{mha}, no uptraining', '0'),
+        ('MHA', f'{mha}, uptrained 50.0%', '2'),
         ('GQA, 2 K/V heads', 'MHA mean-pooled, no uptraining', '0'),
         ('GQA, 2 K/V heads', 'MHA mean-pooled, uptrained 50.0%', '2'),
         ('MQA', 'MHA mean-pooled, no uptraining', '0'),
@@ -822,10 +823,17 @@ def test_published_models_caches():
     assert qwen.cache_bytes(10, size) == state + 10 * 12 * 2 * 2 * 256 * size
 
 
-def test_published_models_weights_as_transformers_counts_them():
+def test_published_models_weights_as_transformers_counts_them(tmp_path):
+    """Every shipped config, and Qwen2's and Qwen3's (their config classes' defaults, with biases
+    on and grouped heads) counted as transformers' models hold them."""
     transformers = pytest.importorskip('transformers')
     folder = os.path.join(ROOT, 'models')
-    for path in sorted(os.path.join(folder, f) for f in os.listdir(folder) if f.endswith('.json')):
+    paths = [os.path.join(folder, f) for f in sorted(os.listdir(folder)) if f.endswith('.json')]
+    for kind in ('Qwen2', 'Qwen3'):
+        config = getattr(transformers, f'{kind}Config')(num_key_value_heads=8, attention_bias=True)
+        (tmp_path / f'{kind}.json').write_text(json.dumps(config.to_dict()))
+        paths.append(tmp_path / f'{kind}.json')
+    for path in paths:
         config = json.load(open(path))
         config.pop('quantization_config', None)
         hf = transformers.AutoConfig.for_model(config.pop('model_type'), **config)

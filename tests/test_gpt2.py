@@ -58,8 +58,14 @@ def test_a_gpt2_folder_it_cannot_read_is_one_line(tmp_path):
     config = open(os.path.join(folder, 'config.json')).read()
     (tmp_path / 'no_weights' / 'config.json').write_text(config)
     _, other = saved_gpt2(tmp_path / 'inner', n_inner=100)
+    # another model's folder: transformers would load it as a GPT-2 with random weights
+    transformers = pytest.importorskip('transformers')
+    llama = transformers.LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                     num_attention_heads=4, vocab_size=100)
+    transformers.LlamaForCausalLM(llama).save_pretrained(tmp_path / 'llama')
     for source, said in [(tmp_path / 'no_weights', 'cannot load GPT-2 from'),
-                         (other, "n_inner=100 is not GPT-2's")]:
+                         (other, "n_inner=100 is not GPT-2's"),
+                         (tmp_path / 'llama', "is not GPT-2's weights \\(model_type 'llama'\\)")]:
         with pytest.raises(FileError, match=said) as e:
             gpt2(str(source))
         assert '\n' not in str(e.value)
@@ -76,7 +82,7 @@ def bpe_data(folder, vocab):
     return str(folder)
 
 
-def test_train_py_fine_tunes_and_converts_gpt2(tmp_path):
+def test_train_py_fine_tunes_and_converts_gpt2(tmp_path, char_data):
     """--init_from=<save_pretrained folder>: its val loss at iteration 0 is GPT-2's own (cropped to
     the run's block_size), then it trains; --attn=mla converts it first."""
     hf, folder = saved_gpt2(tmp_path / 'gpt2', vocab=50257)
@@ -97,6 +103,9 @@ def test_train_py_fine_tunes_and_converts_gpt2(tmp_path):
     r = run('train.py', *args, '--block_size=128', f'--data_dir={data}',
             f'--out_dir={tmp_path / "long"}')
     assert '--block_size=128 (the checkpoint has 64)' in one_line(r)
+    # GPT-2 on characters
+    r = run('train.py', *args, f'--data_dir={char_data}', f'--out_dir={tmp_path / "c"}')
+    assert "reads GPT-2's BPE tokens: train on --dataset=shakespeare" in one_line(r)
 
 
 def test_without_transformers_gpt2_is_one_line(tmp_path):

@@ -5,7 +5,8 @@ Per layout, the cache GPTConfig.cache_elements predicts, and a real cache's nbyt
 block_size tokens. Then published models (Hugging Face config.json files: models/ holds some) and
 a model given by its sizes (default: the founding chapter's 7B-class model): the cache per token and
 at --context tokens for --batch sequences, next to the weights, as published and re-laid out as
-each of our layouts. The same formulas as GPTConfig's (model.py).
+each of our layouts. The same formulas as GPTConfig's (model.py). The families it reads: llama,
+mistral, qwen2, qwen3, falcon, gpt2, deepseek_v2, deepseek_v3, qwen3_next (others: --sizes).
 
     python bench.py cache --models=path/to/config.json --context=32768 --batch=8
     python bench.py cache --sizes=n_layer=80,n_head=64,n_kv_head=8,head_dim=128,params=70e9

@@ -842,6 +842,18 @@ def test_published_models_weights_as_transformers_counts_them(tmp_path):
         assert read_config(path).params == sum(p.numel() for p in model.parameters()), path
 
 
+def test_a_model_folder_is_read_by_its_config_json(tmp_path):
+    """A folder save_pretrained wrote holds more .json files: its config.json is the model's, named
+    after the folder."""
+    folder = tmp_path / 'Meta-Llama-3-8B'
+    folder.mkdir()
+    shutil.copy(os.path.join(ROOT, 'models', 'llama-3-8b.json'), folder / 'config.json')
+    (folder / 'generation_config.json').write_text('{"bos_token_id": 128000}')
+    bench_main(['cache', '--layouts=mha', f'--models={folder}', '--sizes=', f'--out={tmp_path}'])
+    report = (tmp_path / 'cache.md').read_text()
+    assert '**Meta-Llama-3-8B**: 8.0B parameters' in report and 'generation_config' not in report
+
+
 def test_a_config_the_calculator_cannot_read_is_one_line(tmp_path, capsys):
     llama = json.load(open(os.path.join(ROOT, 'models', 'llama-3-8b.json')))
     cases = {

@@ -156,7 +156,7 @@ class GPTConfig:
         return LAYOUTS[layout].cache_elements(self, layout, T)
 
     def cache_bytes(self, T, dtype=torch.float32):  # a linear layout's state: float32 at least
-        state = torch.promote_types(dtype, torch.float32).itemsize
+        state = max(dtype.itemsize, torch.float32.itemsize)
         itemsize = lambda a: state if a in LINEAR_RULES else dtype.itemsize
         return sum(n * self.cache_elements(T, a) * itemsize(a) for a, n in self.layer_counts().items())
 

@@ -45,8 +45,14 @@ def check(args, error):
         for path in args.models.split(',') if args.models else []:
             if os.path.isfile(os.path.join(path, 'config.json')):
                 path = os.path.join(path, 'config.json')
-            paths += sorted(os.path.join(path, f) for f in os.listdir(path)
-                            if f.endswith('.json')) if os.path.isdir(path) else [path]
+            if os.path.isdir(path):
+                found = sorted(f for f in os.listdir(path) if f.endswith('.json'))
+                if not found:
+                    raise ModelError(f"--models={path}: a folder without a config.json or .json "
+                                     "files")
+                paths += [os.path.join(path, f) for f in found]
+            else:
+                paths.append(path)
         sized = [from_sizes(args.sizes)] if args.sizes else []
         args.published = sized + [read_config(p) for p in paths]
     except ModelError as e:
@@ -162,7 +168,8 @@ def model_section(m, args):
     for name, what, per_tok, total in model_rows(m, args):
         cells = [name, what, '—' if per_tok is None else kib(per_tok),
                  '—' if total is None else f"{total / GiB:,.2f}"]
-        lines.append(row(*cells, *[f"{total / weights:.2f}" if total else '—'] * bool(weights)))
+        ratio = [f"{total / weights:.2f}" if total else '—'] if weights else []
+        lines.append(row(*cells, *ratio))
     count = f"{m.params / 1e9:,.1f}B" if m.params >= 1e9 else f"{m.params / 1e6:,.1f}M"
     about = (f"{count} parameters, {weights / GiB:,.1f} GiB of weights at "
              f"{args.dtype.itemsize * 8} bits; " if weights else '')

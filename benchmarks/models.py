@@ -40,15 +40,19 @@ class Published:
 
 # --- each family: its layers' caches and its parameters ------------------------------------------
 
-def softmax_layers(c, n_kv, d, windowed=None):
+def softmax_layers(c, n_kv, d):
     """Softmax layers, n_kv K/V heads of width d; those windowed keep the last sliding_window."""
-    L, window = c.get('num_hidden_layers'), c.get('sliding_window')
+    L, window = c['num_hidden_layers'], c.get('sliding_window')
+    H = c.get('num_attention_heads', n_kv)
     types = c.get('layer_types') or ['full_attention'] * L
-    if set(types) - {'full_attention', 'sliding_attention'}:
-        raise ModelError(f"layer_types {sorted(set(types))}: a layout these families do not have")
-    if windowed is None:  # every layer slides when a window is set (Mistral-7B-v0.1)
-        windowed = window and c.get('use_sliding_window', True) and 'layer_types' not in c
-    slides = [t == 'sliding_attention' or bool(windowed) for t in types]
+    if H % n_kv or set(types) - {'full_attention', 'sliding_attention'} or len(types) != L:
+        raise ModelError(f"{n_kv} K/V heads for {H} query heads, or layer_types other than {L} "
+                         "full_attention / sliding_attention: not a model these families have")
+    # every layer slides when a window is set (Mistral-7B-v0.1)
+    windowed = bool(window) and c.get('use_sliding_window', True) and 'layer_types' not in c
+    slides = [t == 'sliding_attention' or windowed for t in types]
+    if any(slides) and not window:
+        raise ModelError("sliding_attention layers without a sliding_window")
     what = f"softmax, {n_kv} K/V heads of {d}"
     groups = [(slides.count(False), what, lambda T: kv_elements(T, n_kv, d, d), False),
               (slides.count(True), what + f", window {window}",
@@ -75,6 +79,8 @@ def falcon(c):  # falcon-7b: one K/V head (multi_query), attention and MLP in pa
     if c.get('new_decoder_architecture') or c.get('alibi'):
         raise ModelError("new_decoder_architecture / alibi: Falcon's other variants are not read "
                          "here")
+    if C % H:
+        raise ModelError(f"hidden_size={C} is not a multiple of num_attention_heads={H}")
     d = C // H
     kv = 1 if c.get('multi_query', True) else H
     ffn, bias = c.get('ffn_hidden_size') or 4 * C, bool(c.get('bias'))
@@ -86,9 +92,14 @@ def falcon(c):  # falcon-7b: one K/V head (multi_query), attention and MLP in pa
 
 def gpt2(c):
     C, H, L, V, P = (c[k] for k in ('n_embd', 'n_head', 'n_layer', 'vocab_size', 'n_positions'))
-    layer = 12 * C * C + 13 * C  # c_attn, c_proj, c_fc, mlp.c_proj (+ biases), two LayerNorms
-    params = V * C + P * C + L * layer + 2 * C
-    return Published(softmax_layers({'num_hidden_layers': L}, H, C // H), params, L, H, C // H)
+    inner = c.get('n_inner') or 4 * C
+    # c_attn and c_proj, c_fc and mlp.c_proj, with biases; two LayerNorms
+    layer = 4 * C * C + 4 * C + 2 * C * inner + inner + C + 4 * C
+    params = V * C * (1 + (not c.get('tie_word_embeddings', True))) + P * C + L * layer + 2 * C
+    if C % H:
+        raise ModelError(f"n_embd={C} is not a multiple of n_head={H}")
+    layers = softmax_layers({'num_hidden_layers': L}, H, C // H)
+    return Published(layers, params, L, H, C // H)
 
 
 def deepseek(c):  # MLA: it caches [c | k_R] (the paper; vLLM, SGLang) and forms K and V from it
@@ -130,7 +141,7 @@ def qwen3_next(c):  # 3 Gated DeltaNet layers to 1 gated softmax layer, MoE MLPs
                lambda T: kv_elements(T, kv, d, d), False),
               (L - n_full, f"Gated DeltaNet, {nv} heads of {dk} x {dv}",
                lambda T: state_elements(nv, dk, dv, conv, K), True)]
-    return Published(groups, params, L, H, d)
+    return Published([g for g in groups if g[0]], params, L, H, d)
 
 
 def embeddings(c, tied=False):  # the token embedding, and the head unless tied to it
@@ -140,6 +151,14 @@ def embeddings(c, tied=False):  # the token embedding, and the head unless tied 
 FAMILIES = {'llama': llama, 'mistral': llama, 'qwen2': llama, 'qwen3': llama, 'falcon': falcon,
             'gpt2': gpt2, 'deepseek_v2': deepseek, 'deepseek_v3': deepseek,
             'qwen3_next': qwen3_next}
+SIZE_FIELDS = {'hidden_size', 'num_attention_heads', 'num_hidden_layers', 'vocab_size',
+               'num_key_value_heads', 'head_dim', 'intermediate_size', 'sliding_window', 'n_embd',
+               'n_head', 'n_layer', 'n_positions', 'n_inner', 'ffn_hidden_size', 'kv_lora_rank',
+               'q_lora_rank', 'qk_rope_head_dim', 'qk_nope_head_dim', 'v_head_dim',
+               'n_routed_experts', 'n_shared_experts', 'moe_intermediate_size',
+               'first_k_dense_replace', 'num_experts', 'shared_expert_intermediate_size',
+               'full_attention_interval', 'linear_conv_kernel_dim', 'linear_key_head_dim',
+               'linear_value_head_dim', 'linear_num_key_heads', 'linear_num_value_heads'}
 # the UNREAD fields a family reads
 OWN = {'deepseek_v2': 'kv_lora_rank', 'deepseek_v3': 'kv_lora_rank',
        'qwen3_next': 'linear_num_value_heads'}
@@ -155,13 +174,18 @@ def read_config(path):
     if not isinstance(c, dict):
         raise ModelError(f"{path}: not a config.json (a JSON object)")
     kind = c.get('model_type')
-    if kind not in FAMILIES:
+    if not isinstance(kind, str) or kind not in FAMILIES:
         raise ModelError(f"{path}: model_type {kind!r} is not one bench.py cache reads "
                          f"({', '.join(FAMILIES)}); give its sizes with --sizes=")
     unread = [k for k in UNREAD if c.get(k) is not None and OWN.get(kind) != k]
     if unread:
         raise ModelError(f"{path}: {unread[0]!r} changes what a layer caches, and a {kind} config "
                          "is read here without it")
+    # the sizes a family reads: whole numbers (not true/false), >= 0
+    odd = [k for k, v in c.items() if k in SIZE_FIELDS and v is not None
+           and (type(v) is not int or v < 0)]
+    if odd:
+        raise ModelError(f"{path}: {odd[0]}={c[odd[0]]!r} is not a whole number >= 0")
     try:
         model = FAMILIES[kind](c)
         sizes = [model.n_layer, model.n_head, model.head_dim, model.params,
@@ -172,8 +196,8 @@ def read_config(path):
         raise
     except KeyError as e:
         raise ModelError(f"{path}: a {kind} config needs {e.args[0]!r}") from None
-    except (TypeError, ValueError, ZeroDivisionError):
-        raise ModelError(f"{path}: its sizes are not positive integers") from None
+    except (TypeError, ValueError, ZeroDivisionError, OverflowError, MemoryError):
+        raise ModelError(f"{path}: its sizes or layer_types do not make a model") from None
     name = os.path.splitext(os.path.basename(path))[0]  # (a model's folder: its name)
     if name == 'config':
         name = os.path.basename(os.path.dirname(os.path.abspath(path)))

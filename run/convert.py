@@ -50,13 +50,14 @@ def to_mla(state_dict, config, mla):
     - q times sqrt((d + d_R) / d): MLA scales scores by 1 / sqrt(d + d_R), MHA by 1 / sqrt(d)."""
     H, d, C = config.n_head, config.head_dim, config.n_embd
     dc, dR = mla.kv_lora_rank, mla.rope_head_dim
-    if config.attn != 'mha' or mla.q_lora_rank or d % dR:
-        raise ValueError(f"MHA -> MLA needs an 'mha' model, no q_lora_rank and a rope_head_dim "
-                         f"dividing head_dim={d}; not attn={config.attn!r}, "
-                         f"q_lora_rank={mla.q_lora_rank}, rope_head_dim={dR}")
+    wrong = {f"attn={config.attn!r} (an 'mha' model)": config.attn != 'mha',
+             f"q_lora_rank={mla.q_lora_rank} (0: q is not factorised)": mla.q_lora_rank,
+             f"rope_head_dim={dR} (one dividing head_dim={d})": d % dR}
+    if said := [w for w, bad in wrong.items() if bad]:
+        raise ValueError(f"MHA -> MLA needs another {said[0]}")
     pairs = torch.arange(0, d // 2, d // dR)                         # the pairs RoPE keeps
     rope = torch.stack([2 * pairs, 2 * pairs + 1], 1).flatten()      # (dR,) dims of a head
-    nope = torch.tensor([i for i in range(d) if i not in rope])      # (d - dR,)
+    nope = torch.tensor([i for i in range(d) if i not in rope], dtype=torch.long)  # (d - dR,)
     scale = math.sqrt((d + dR) / d)
 
     def query(t):  # a head's q rows (H, d, ...) -> (H, d + dR, ...): [nope | zeros | rope], scaled
@@ -114,7 +115,7 @@ def conversion(init_from, device, meta, data_dir, remake, config, given):
     if attn not in ('mha', 'gqa', 'mqa', 'mla'):
         fail(f"converting {init_from} re-lays out its keys and values: attn must be mha, gqa, mqa "
              f"or mla, not {attn!r}")
-    if source.get('meta') != meta and is_gpt2(init_from):
+    if source.get('meta') != meta and is_gpt2(init_from) and meta.get('encoding') != 'gpt2':
         fail(f"{init_from} reads GPT-2's BPE tokens: train on --dataset=shakespeare (or a "
              f"--data_dir prepared with tiktoken's 'gpt2'), not {data_dir}")
     if source.get('meta') != meta:  # the same tokens, not only as many
@@ -125,7 +126,8 @@ def conversion(init_from, device, meta, data_dir, remake, config, given):
     # this run's: the layout, its K/V sizes, dropout, a smaller block_size; the source's: the rest
     block_size = cfg.block_size
     if 'block_size' in given:
-        block_size = min(config['block_size'], block_size)
+        block_size = config['block_size'] if cfg.pos_emb == 'rope' else min(config['block_size'],
+                                                                             block_size)
     own = dict(attn=attn, n_kv_head=config['n_kv_head'], match_mha_params=False,
                dropout=config['dropout'], block_size=block_size,
                **{k: config[k] for k in ('kv_lora_rank', 'rope_head_dim', 'q_lora_rank')})
@@ -137,7 +139,8 @@ def conversion(init_from, device, meta, data_dir, remake, config, given):
     def asked(k):  # how this run asked for k: a flag, or a config file's line
         by = given[k]
         return f"--{k}={config[k]}" if by.startswith('--') else f"{k}={config[k]} of {by}"
-    longer = config['block_size'] > cfg.block_size  # (positions it never learned)
+    # positions it never learned (RoPE's are computed: a longer block_size is the run's to choose)
+    longer = config['block_size'] > cfg.block_size and cfg.pos_emb == 'learned'
     conflicts = [f"{asked(k)} (the checkpoint has {v})" for k, v in shape.items() if k in given
                  and (k not in own and config[k] != v or k == 'block_size' and longer)]
     if conflicts:

@@ -42,7 +42,7 @@ def gpt2(init_from, dropout=0.0):
     except Exception as e:  # no such folder or file, no network, a broken file
         raise FileError(f"cannot load GPT-2 from {init_from}: {describe(e)}") from None
     # another model's folder loads too, as a GPT-2 with random weights: refused
-    missing = loaded['missing_keys'] or loaded['mismatched_keys']
+    missing = sorted(loaded['missing_keys']) + sorted(map(str, loaded['mismatched_keys']))
     if c.model_type != 'gpt2' or missing:
         what = f"model_type {c.model_type!r}" if c.model_type != 'gpt2' else f"no {missing[0]}"
         raise FileError(f"{init_from} is not GPT-2's weights ({what}): --init_from takes gpt2, "
@@ -53,13 +53,17 @@ def gpt2(init_from, dropout=0.0):
               'layer_norm_epsilon': c.layer_norm_epsilon != 1e-5,
               'scale_attn_by_inverse_layer_idx': c.scale_attn_by_inverse_layer_idx,
               'reorder_and_upcast_attn': c.reorder_and_upcast_attn,
-              'scale_attn_weights': not c.scale_attn_weights}
+              'scale_attn_weights': not c.scale_attn_weights,
+              'tie_word_embeddings': not c.tie_word_embeddings}  # (ours are tied)
     if wrong := [k for k, differs in unlike.items() if differs]:
         value = getattr(c, wrong[0])
         raise FileError(f"{init_from}: {wrong[0]}={value!r} is not GPT-2's, which our GPT computes")
-    config = GPTConfig(block_size=c.n_positions, vocab_size=c.vocab_size, n_layer=c.n_layer,
-                       n_head=c.n_head, n_embd=c.n_embd, dropout=dropout, bias=True, attn='mha',
-                       pos_emb='learned', gelu_tanh=GELU[c.activation_function])
+    try:
+        config = GPTConfig(block_size=c.n_positions, vocab_size=c.vocab_size, n_layer=c.n_layer,
+                           n_head=c.n_head, n_embd=c.n_embd, dropout=dropout, bias=True,
+                           attn='mha', pos_emb='learned', gelu_tanh=GELU[c.activation_function])
+    except ValueError as e:
+        raise FileError(f"{init_from}: {e}") from None
     # the names are nanoGPT's and ours; transformers' attention mask buffers are not weights
     state = {k: v.t() if k.endswith(CONV1D) else v for k, v in hf.state_dict().items()
              if not k.endswith(('.attn.bias', '.attn.masked_bias'))}

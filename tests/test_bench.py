@@ -842,6 +842,18 @@ def test_published_models_weights_as_transformers_counts_them(tmp_path):
         assert read_config(path).params == sum(p.numel() for p in model.parameters()), path
 
 
+def test_sizes_without_weights_and_an_8_bit_cache(tmp_path):
+    bench_main(['cache', '--layouts=mha', '--models=', '--dtype=float8', f'--out={tmp_path}',
+                '--sizes=n_layer=80,n_head=64,n_kv_head=8,head_dim=128'])
+    report = (tmp_path / 'cache.md').read_text()
+    # 2 x 80 x 8 x 128 bytes; no weights given: no weights' column
+    assert '| as given | 80 x softmax, 8 K/V heads of 128 | 160 | 1.25 |\n' in report
+    # a linear layer's state stays float32: 80 x 64 heads x 128 x 128 (+ the conv's inputs) x 4
+    state = 80 * (64 * 128 * 128 + 3 * 64 * 128 * 3) * 4
+    assert (f"| gated_deltanet | 80 x Gated DeltaNet, 64 heads of 128 x 128 | 0 | "
+            f"{state / 2 ** 30:.2f} |") in report
+
+
 def test_a_model_folder_is_read_by_its_config_json(tmp_path):
     """A folder save_pretrained wrote holds more .json files: its config.json is the model's, named
     after the folder."""
@@ -863,10 +875,14 @@ def test_a_config_the_calculator_cannot_read_is_one_line(tmp_path, capsys):
         'vlm.json': (dict(llama, text_config={}), "'text_config' changes what a layer caches"),
         'short.json': ({k: v for k, v in llama.items() if k != 'num_hidden_layers'},
                        "a llama config needs 'num_hidden_layers'"),
-        'zero.json': (dict(llama, head_dim=-1), "its sizes are not positive"),
+        'zero.json': (dict(llama, head_dim=-1), "head_dim=-1 is not a whole number >= 0"),
+        'bool.json': (dict(llama, num_hidden_layers=True), "num_hidden_layers=True is not a whole"),
+        'heads.json': (dict(llama, num_key_value_heads=7), "7 K/V heads for 32 query heads"),
+        'few.json': (dict(llama, layer_types=['full_attention'] * 3),
+                     "other than 32 full_attention"),
         'list.json': ([], "not a config.json"),
         'types.json': (dict(llama, layer_types=['full_attention', 'chunked_attention'] * 16),
-                       "layer_types ['chunked_attention', 'full_attention']"),
+                       "layer_types other than 32 full_attention / sliding_attention"),
     }
     for name, (config, msg) in cases.items():
         (tmp_path / name).write_text(json.dumps(config))
@@ -880,6 +896,7 @@ def test_a_config_the_calculator_cannot_read_is_one_line(tmp_path, capsys):
     for sizes, msg in [('n_layer=32,n_head=32', "head_dim=N"),
                        ('n_layer=32,n_head=32,head_dim=x', "sizes are numbers"),
                        ('n_layer=2,n_head=6,head_dim=8,n_kv_head=4', "dividing")]:
+        # (no params: the weights' column is left out)
         with pytest.raises(SystemExit):
             bench_main(['cache', '--models=', f'--sizes={sizes}', f'--out={tmp_path}'])
         err = capsys.readouterr().err

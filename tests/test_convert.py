@@ -60,6 +60,14 @@ def test_mha_to_mla_is_exact_where_nothing_is_truncated(pos_emb):
     torch.testing.assert_close(full_logits(mla, idx), full_logits(mha, idx), atol=1e-10, rtol=0)
 
 
+def test_mha_to_mla_with_every_pair_rotated():
+    """d_R = head_dim: every key through the shared k_R, none through the latent."""
+    mha = make_model('mha')
+    mla = to_mla_model(mha, kv_lora_rank=16, rope_head_dim=8)
+    assert mla.transformer.h[0].attn.k_up.weight.abs().max() == 0
+    assert torch.isfinite(full_logits(mla, torch.randint(0, 40, (1, 10)))).all()
+
+
 def test_mha_to_mla_weights():
     """Biases: V's folded into c_proj's, q's reordered and scaled; the latent's gain is about the
     RMS of the latent of ln_1's outputs."""

@@ -63,7 +63,14 @@ def test_a_gpt2_folder_it_cannot_read_is_one_line(tmp_path):
     llama = transformers.LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                                      num_attention_heads=4, vocab_size=100)
     transformers.LlamaForCausalLM(llama).save_pretrained(tmp_path / 'llama')
+    # a config that its weights do not fill, and an untied head (ours is tied)
+    _, bigger = saved_gpt2(tmp_path / 'bigger')
+    config = json.load(open(os.path.join(bigger, 'config.json')))
+    json.dump(dict(config, n_layer=3), open(os.path.join(bigger, 'config.json'), 'w'))
+    _, untied = saved_gpt2(tmp_path / 'untied', tie_word_embeddings=False)
     for source, said in [(tmp_path / 'no_weights', 'cannot load GPT-2 from'),
+                         (bigger, "is not GPT-2's weights \\(no transformer.h.2"),
+                         (untied, "tie_word_embeddings=False is not GPT-2's"),
                          (other, "n_inner=100 is not GPT-2's"),
                          (tmp_path / 'llama', "is not GPT-2's weights \\(model_type 'llama'\\)")]:
         with pytest.raises(FileError, match=said) as e:
@@ -122,3 +129,5 @@ def test_without_transformers_gpt2_is_one_line(tmp_path):
     assert not (tmp_path / 'o').exists()
     r = run('sample.py', '--init_from=gpt2', '--out_dir=out')
     assert "init_from='gpt2' must be '' with an --out_dir" in one_line(r)
+    r = run('sample.py', '--init_from=gpt2-xxl')  # never sent to the Hub
+    assert "init_from='gpt2-xxl': give gpt2, gpt2-medium" in one_line(r)

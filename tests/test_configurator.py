@@ -63,8 +63,8 @@ TRAIN_REFUSALS = [  # (train.py's flags, what it says)
     (['--attn=deltanet*5+gqa'], "GPTConfig.attn='deltanet*5+gqa' is invalid: has 6 layers, more "
                                 "than n_layer=2"),
     (['--n_kv_head=4', '--attn=gqa'], "GPTConfig.n_kv_head=4 is invalid"),
-    (['--init_from=gpt2'], "init_from='gpt2' should be 'scratch', 'resume', or an out_dir with an "
-                           "MHA ckpt.pt"),
+    (['--init_from=gpt3'], "init_from='gpt3' should be 'scratch', 'resume', an out_dir with an "
+                           "MHA ckpt.pt to convert, or GPT-2"),
     (['--learning_rate=0'], "learning_rate=0.0 must be in (0, 1e12]"),
     # was a traceback from AdamW's step
     (['--learning_rate=1e308'], "learning_rate=1e+308 must be in (0, 1e12]"),

@@ -25,8 +25,8 @@ from configurator import duration, fail, fail_on
 from data.common import PrepareError, check_meta, prompt, tokenizer
 from model import GPT
 from ops.sampling import stream
-from run.checkpoint import FileError, checkpoints, to_sample, weights
-from run.gpt2 import gpt2, is_gpt2
+from run.checkpoint import FileError, to_sample, weights
+from run.gpt2 import gpt2
 from run.interrupts import end_on_lost_output, exit_on_signals, on_closed_output
 from run.settings import num_params
 
@@ -69,10 +69,6 @@ for name, ok, rule in rules:
 check_device(device, dtype)
 
 if init_from:  # GPT-2, through transformers
-    if not is_gpt2(init_from):
-        ours = " (a checkpoint of ours: --out_dir)" * bool(checkpoints(init_from))
-        fail(f"init_from={init_from!r}: give gpt2, gpt2-medium, -large, -xl, or a folder GPT-2's "
-             f"save_pretrained wrote{ours}")
     with fail_on(FileError):
         cfg, state, meta = gpt2(init_from)
     ckpt_path, ckpt = init_from, {'model': state, 'meta': meta}

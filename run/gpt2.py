@@ -7,7 +7,7 @@ import os
 
 from configurator import describe
 from model import GPTConfig
-from run.checkpoint import FileError
+from run.checkpoint import FileError, checkpoints
 
 NAMES = ('gpt2', 'gpt2-medium', 'gpt2-large', 'gpt2-xl')
 # GPT-2's BPE, as data/shakespeare/prepare.py writes it to meta.json
@@ -24,7 +24,11 @@ def is_gpt2(init_from):
 
 def gpt2(init_from, dropout=0.0):
     """(GPTConfig, state_dict, meta) of GPT-2 init_from, float32 on the CPU; else FileError, one
-    line."""
+    line. Only GPT-2's names and folders: never another Hub id."""
+    if not is_gpt2(init_from):
+        ours = " (a checkpoint of ours: --out_dir)" * bool(checkpoints(init_from))
+        raise FileError(f"init_from={init_from!r}: give gpt2, gpt2-medium, -large, -xl, or a folder "
+                        f"GPT-2's save_pretrained wrote{ours}")
     try:
         import transformers
     except ImportError:

@@ -26,8 +26,8 @@ from ops.linear import linear_chunked
 from run.checkpoint import why
 from run.optim import adamw, cosine_lr
 
-# every layout alike: 2 layers, learned positions (no RoPE), MHA's parameter count, no short conv
-# in front of any mixer
+# every layout alike: 2 layers, learned positions (no RoPE), MHA's parameter count; the linear
+# layouts' own short conv off (conv_size=1): --conv_size puts one conv in front of every mixer
 MQAR = dict(n_layer=2, n_head=4, n_embd=64, pos_emb='learned', chunk_size=32,
             match_mha_params=True)
 HEAD_DIM = MQAR['n_embd'] // MQAR['n_head']
@@ -51,8 +51,8 @@ def add_arguments(p):
     flag(p, 'lrs', None, rates, "peak learning rates, each layout's best kept (default: each "
                                 "layout's best of the sweep 3e-4,1e-3,3e-3: benchmarks/mqar.py's MQAR_LR)")
     flag(p, 'seeds', 2, count, 'seeds a run: its initialization and batches')
-    flag(p, 'conv_size', 1, count,
-         "taps of the linear layouts' short conv; 1: none, as in front of softmax attention")
+    flag(p, 'conv_size', 1, count, "taps of a short causal conv in front of every mixer, softmax "
+                                   "too, as Zoology's (the identity at init); 1: none")
     flag(p, 'vocab', None, parse_vocab, "token ids, keys in the lower half, values in the upper "
                                         "(default: 256, on cuda Zoology's 8192)")
     flag(p, 'sets', None, parse_sets, f"(length L, pairs N) of each MQAR set (default: "
@@ -102,12 +102,37 @@ class PairEmbedding(torch.nn.Module):
         return self.wte(idx // self.vocab) + self.wte(idx % self.vocab)
 
 
+class ConvFirst(torch.nn.Module):
+    """A mixer with a short causal conv in front: each channel of its input, the sum of its last
+    `taps` tokens' values, weighted per tap. Zoology's BaseConv in front of every mixer, as an
+    identity at init (the current token's tap 1, the others 0): PyTorch's default init, uniform in
+    ±1/sqrt(taps), starts by smearing each key with its neighbours."""
+
+    def __init__(self, mixer, channels, taps):
+        super().__init__()
+        self.mixer, self.taps = mixer, taps
+        self.weight = torch.nn.Parameter(torch.zeros(channels, 1, taps))
+        with torch.no_grad():
+            self.weight[:, 0, -1] = 1.0  # the last tap is the current token's
+
+    def forward(self, x, *rest):  # x: (B, T, C)
+        x = torch.nn.functional.pad(x.transpose(1, 2), (self.taps - 1, 0))  # causal: pad the past
+        x = torch.nn.functional.conv1d(x, self.weight, groups=x.size(1)).transpose(1, 2)
+        return self.mixer(x, *rest)
+
+
 def mqar_model(name, vocab, block_size, conv=1):
     attn = {**LAYOUTS, 'hybrid': 'gated_deltanet+gqa'}[name]  # (1:1 on 2 layers)
     has_conv = 'conv_size' in GPTConfig(attn=attn).used_fields()
-    taps = dict(conv_size=conv) if has_conv else {}  # (1 tap: no conv)
-    model = GPT(GPTConfig(attn=attn, vocab_size=vocab, block_size=block_size, **MQAR, **taps))
+    own = dict(conv_size=1) if has_conv else {}  # the linear layers' own conv off
+    model = GPT(GPTConfig(attn=attn, vocab_size=vocab, block_size=block_size, **MQAR, **own))
     model.transformer.wte = PairEmbedding(model.transformer.wte, vocab)
+    if conv > 1:
+        if conv > block_size:
+            raise ValueError(f"--conv_size={conv} is invalid: must be <= block_size={block_size} "
+                             "(taps further back never see a token)")
+        for block in model.transformer.h:
+            block.attn = ConvFirst(block.attn, MQAR['n_embd'], conv)
     return model
 
 
@@ -325,8 +350,8 @@ def described(args, data, swept):
                 f"{data['vocab']}, {data['train']:,} training sequences per set (L, N) = {sets})")
     conv = "no short conv"
     if args.conv_size > 1:
-        conv = (f"a short conv of {args.conv_size} taps in front of the linear mixers (softmax "
-                "attention has none)")
+        conv = (f"a short causal conv of {args.conv_size} taps in front of every mixer, softmax "
+                "too (the identity at init; the linear rules' own conv off)")
     model = (f"a {MQAR['n_layer']}-layer model per layout ({MQAR['n_head']} heads, n_embd "
              f"{MQAR['n_embd']}, head_dim d_k = {HEAD_DIM}, learned positions, {conv}, the MLP "
              "sized to MHA's parameter count; hybrid = 'gated_deltanet+gqa')")

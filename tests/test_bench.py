@@ -293,7 +293,7 @@ def test_bad_arguments_are_one_line(tmp_path, capsys, monkeypatch):
         # found before any run
         (['mqar', f'--out={tmp_path / "md"}'], "mqar.md is a folder, where the report goes"),
         (['mqar', '--conv_size=17', '--sets=16:4'],
-         "GPTConfig.conv_size=17 is invalid: must be <= block"),
+         "--conv_size=17 is invalid: must be <= block_size=16"),
         (['mqar', '--lrs=1e-3,2'], "--lrs: '1e-3,2': give numbers in (0, 1]"),
         (['mqar', '--vocab=100000'], "--vocab: '100000': give an integer from 4 to 65,536"),
         (['mqar', '--vocab=8', '--sets=64:4'], "holds at most 3 distinct keys"),
@@ -581,13 +581,28 @@ def test_mqar_recall_counts_the_answers_only_and_the_pair_embedding_adds_key_and
     w = model.lm_head.weight
     assert model.transformer.wte(torch.tensor([3 * 16 + 12])).squeeze().equal(w[3] + w[12])
     assert model.transformer.wte.wte.weight is w  # still tied to the output layer
-    # (taps, channels) a linear layer
-    taps = lambda name, *conv: [b.attn.conv.size(0)
-                                for b in mqar.mqar_model(name, 16, 10, *conv).transformer.h
-                                if hasattr(b.attn, 'conv')]
-    assert taps('deltanet') == [1, 1] and taps('deltanet', 4) == [4, 4] and taps('hybrid', 4) == [4]
-    # for all
-    assert taps('mha', 4) == [] and mqar.mqar_model('hybrid', 16, 10).config.pos_emb == 'learned'
+    # --conv_size: the same conv in front of every mixer, the linear layers' own off
+    own = lambda name, *conv: [b.attn.mixer.conv.size(0) if conv else b.attn.conv.size(0)
+                               for b in mqar.mqar_model(name, 16, 10, *conv).transformer.h
+                               if hasattr(b.attn.mixer if conv else b.attn, 'conv')]
+    assert own('deltanet') == [1, 1] and own('deltanet', 4) == [1, 1] and own('hybrid', 4) == [1]
+    for name in ('mha', 'mla', 'linear', 'hybrid'):
+        torch.manual_seed(0)
+        plain = mqar.mqar_model(name, 16, 10)
+        torch.manual_seed(0)
+        conv = mqar.mqar_model(name, 16, 10, 4)
+        assert all(isinstance(b.attn, mqar.ConvFirst) for b in conv.transformer.h)
+        x = torch.randint(0, 256, (2, 10))
+        assert torch.allclose(conv(x)[0], plain(x)[0], atol=1e-6)  # the identity at init
+        with torch.no_grad():
+            for b in conv.transformer.h:
+                b.attn.weight.normal_()
+        changed = x.clone()
+        changed[:, 6] = (x[:, 6] + 1) % 256
+        logits = lambda idx: conv(idx, torch.zeros_like(idx))[0]
+        same = (logits(x) - logits(changed)).abs().amax(-1).amax(0) < 1e-6  # (T,)
+        assert same[:6].all() and not same[6:].any()  # causal, and it mixes
+    assert mqar.mqar_model('hybrid', 16, 10).config.pos_emb == 'learned'
 
 
 def test_capacity_of_an_untrained_state():

@@ -14,7 +14,7 @@ wandb_run.py's.
   disk the old one is there, and one line says why. A SIGKILL loses the steps since the last save
   (and leaves a NAME.tmpPID, which the next run deletes).
 - Until the first training step ends, an error, out of memory, Ctrl-C, SIGTERM, SIGHUP or a lost
-  stdout (closed, or its disk full) leaves out_dir as it was (--overwrite=True deletes old
+  stdout (its reader gone, or its disk full) leaves out_dir as it was (--overwrite=True deletes old
   checkpoints only then). After it an interrupt saves last.pt and exits 130; a resume starts from
   the later of ckpt.pt and last.pt, bit-exactly, with the settings it is given (the optimizer's
   too, never a file's). A divergence saves nothing: exit 2, the last good files kept.

@@ -6,6 +6,7 @@ handlers before its slow imports.
 
     Interrupts()                    train.py: at once during start-up, then a flag its loop checks
     exit_at_once()                  the other scripts, first: their slow imports stopped in one line
+                                    (both: a closed stdout or stderr writes to /dev/null)
     exit_on_signals()               ... once imported: SIGTERM / SIGHUP as one line and a
                                     SystemExit (finally blocks still remove temp files)
     on_closed_output(gone)          gone(reason) once, when stdout or stderr loses its reader
@@ -33,6 +34,7 @@ class Interrupts:
     iteration and between evaluation batches; .why says what stopped."""
 
     def __init__(self):
+        null_for_closed_streams()
         self.flag, self.immediate, self.why = False, True, 'interrupted'
         # Run.discard, once there is a run: removes what it made, says what is left
         self.discard = lambda: "nothing was written"
@@ -86,7 +88,21 @@ def exit_at_once():
     """While a script only imports (nothing to clean up): Ctrl-C, SIGTERM and SIGHUP end it at once
     in one line, exit 128 + N. Python's KeyboardInterrupt raised inside torch's C++ import would
     abort it (pybind11's terminate)."""
+    null_for_closed_streams()
     handle(SIGNALS, at_once)
+
+
+def null_for_closed_streams():
+    """A stdout or stderr closed at the start (`>&-`, `2>&-`: cron, a detached shell) is not an
+    error: it writes to /dev/null, as if sent there. Its descriptor is taken now: else the next file
+    opened gets it, and what is printed lands in that file."""
+    for fd, name in ((1, 'stdout'), (2, 'stderr')):
+        if getattr(sys, name) is None:
+            null = os.open(os.devnull, os.O_WRONLY)  # the lowest free descriptor: maybe fd already
+            if null != fd:
+                os.dup2(null, fd)
+                os.close(null)
+            setattr(sys, name, os.fdopen(fd, 'w'))
 
 
 def at_once(signum, frame):
@@ -111,6 +127,7 @@ def on_closed_output(gone):
     """Call gone(reason) (once per stream) when stdout or stderr loses its reader (reason None) or
     cannot be written (a full disk, /dev/full: 'cannot write to stdout (No space left on
     device)'); later output is dropped."""
+    null_for_closed_streams()  # (data/common.py's scripts call only this)
     sys.stdout, sys.stderr = Output(sys.stdout, gone, 'stdout'), Output(sys.stderr, gone, 'stderr')
 
 
@@ -129,10 +146,7 @@ class Output:
     is called once, instead of an OSError at the next print."""
 
     def __init__(self, stream, gone, name):
-        self.gone, self.name, self.closed_out = gone, name, False
-        # `>&-` closed the descriptor: Python's stream is None, and the first write says so
-        self.unopened = stream is None
-        self.stream = open(os.devnull, 'w') if stream is None else stream
+        self.gone, self.name, self.closed_out, self.stream = gone, name, False, stream
 
     def write(self, text):
         return self.guard(self.stream.write, text) or len(text)
@@ -141,9 +155,6 @@ class Output:
         self.guard(self.stream.flush)
 
     def guard(self, call, *args):
-        if self.unopened:
-            self.unopened, self.closed_out = False, True
-            self.gone(f"cannot write to {self.name} (it is closed)")
         try:
             return call(*args)
         except OSError as e:

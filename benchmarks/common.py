@@ -146,5 +146,19 @@ def add_layouts(p, default=','.join(LAYOUTS)):
     flag(p, 'layouts', default, layout_list, 'a comma-separated subset of the layouts')
 
 
+def published(args, error, iters=None):
+    """--readme replaces a README table whole: the run must be whole too, every layout and at least
+    the default iterations (a 3-step run of one layout once rewrote 85 rows as 76). Returns
+    --max_iters, the default (iters) if not given."""
+    max_iters = getattr(args, 'max_iters', None) or iters
+    if args.readme and getattr(args, 'layouts', list(LAYOUTS)) != list(LAYOUTS):
+        error(f"--layouts={','.join(args.layouts)}: --readme publishes every layout's row (leave "
+              "out --layouts); a partial run writes to --out")
+    if args.readme and iters and max_iters < iters:
+        error(f"--max_iters={max_iters}: --readme publishes runs of at least {iters} iterations, "
+              "the default; a shorter run writes to --out")
+    return max_iters
+
+
 def add_device(p, what, default='cpu'):
     flag(p, 'device', default, str, 'cpu or cuda[:N]' + what)

@@ -667,10 +667,30 @@ def test_a_readme_edited_during_the_run_is_one_line(tmp_path, monkeypatch, capsy
         return real(args)
     monkeypatch.setattr(bench_main.__globals__['REPORTS']['cache'], 'report', edited)
     with pytest.raises(SystemExit):
-        bench_main(['cache', '--readme', '--layouts=mqa'])
+        bench_main(['cache', '--readme'])
     assert "README.md lost its '<!-- cache-table -->'" in capsys.readouterr().err
     assert (tmp_path / 'README.md').read_text() == 'rewritten meanwhile\n'
     assert (tmp_path / 'results' / 'cache.md').is_file()
+
+
+@pytest.mark.parametrize('args, said', [
+    (['train', '--layouts=mha'], "--layouts=mha: --readme publishes every layout's row"),
+    (['train', '--max_iters=3'], "--max_iters=3: --readme publishes runs of at least 2000"),
+    (['mqar', '--max_iters=999'], "--max_iters=999: --readme publishes runs of at least 1000"),
+    (['convert', '--max_iters=10'], "--max_iters=10: --readme publishes runs of at least 2000"),
+    (['decode', '--layouts=mla,mha'], "--layouts=mha,mla: --readme publishes every layout's"),
+    (['cache', '--layouts=gqa'], "--layouts=gqa: --readme publishes every layout's row")])
+def test_a_partial_run_never_rewrites_a_readme_table(tmp_path, args, said):
+    """--readme replaces a README table whole: a run of some layouts, or shorter than the
+    default, is refused before any work (it once rewrote the train table's 85 rows as 76)."""
+    shutil.copy(os.path.join(ROOT, 'README.md'), tmp_path)
+    for folder in ('config', 'data'):  # (convert and train run train.py from here)
+        os.symlink(os.path.join(ROOT, folder), tmp_path / folder)
+    shutil.copy(os.path.join(ROOT, 'train.py'), tmp_path)
+    before = digest(tmp_path / 'README.md')
+    r = run(os.path.join(ROOT, 'bench.py'), *args, '--readme', cwd=tmp_path)
+    assert said in one_line(r) and digest(tmp_path / 'README.md') == before
+    assert not (tmp_path / 'results').exists()
 
 
 def test_bench_readme_is_rewritten_whole_or_not_at_all(tmp_path):
@@ -678,7 +698,7 @@ def test_bench_readme_is_rewritten_whole_or_not_at_all(tmp_path):
     unchanged."""
     shutil.copy(os.path.join(ROOT, 'README.md'), tmp_path)
     before = digest(tmp_path / 'README.md')
-    r = run(os.path.join(ROOT, 'bench.py'), 'cache', '--readme', '--layouts=mha', cwd=tmp_path,
+    r = run(os.path.join(ROOT, 'bench.py'), 'cache', '--readme', cwd=tmp_path,
             limit=os.path.getsize(tmp_path / 'README.md') // 2)
     assert "cannot write README.md: " in one_line(r)
     assert digest(tmp_path / 'README.md') == before

@@ -32,7 +32,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from configurator import check_device, configure, default_dtype, defaults, duration, fail
 from data.common import PrepareError, open_data, sample_prompt
 from model import GPT, GPTConfig
-from run.checkpoint import Run, checkpoints, kept, load_weights, model_flags, resume, resume_command
+from run.checkpoint import (Run, checkpoints, earlier_run, kept, load_weights, model_flags, resume,
+                            resume_command)
 from run.convert import conversion
 from run.ddp import any_rank, join, leave
 from run.interrupts import memory_errors_in_one_line, on_closed_output
@@ -90,6 +91,7 @@ memory_errors_in_one_line()
 on_closed_output(interrupts.output_lost)
 given = {}  # the keys a config file or flag set: what set each last
 config = configure(defaults(globals()), sys.argv[1:], __file__, given)
+config['out_dir'] = os.path.normpath(config['out_dir'])  # A/../B is B: makedirs would make an A too
 if 'compile' not in given and not device.startswith('cuda'):  # compiling on a CPU takes minutes
     config['compile'] = False
 globals().update(config)
@@ -133,9 +135,8 @@ except PrepareError as e:
     fail(str(e))
 if ddp and master_process:
     dist.barrier()
-if previous and not (resuming or eval_only or overwrite):  # (after the data: a broken one first)
-    fail(f"{previous[0]} exists: continue that run with --init_from=resume, replace it with "
-         "--overwrite=True, or pass another --out_dir")
+if not (resuming or eval_only or overwrite) and earlier_run(out_dir):  # (after the data's check)
+    fail(earlier_run(out_dir))
 
 
 def rng(*key):

@@ -288,6 +288,19 @@ def remove_run(out_dir):
         shutil.rmtree(out_dir)
 
 
+def earlier_run(out_dir):
+    """What a new run would replace of an earlier one in out_dir, in one line ('' if nothing): its
+    checkpoint, or the log of a run that saved none (diverged, killed, max_iters=0)."""
+    log = os.path.join(out_dir, 'metrics.jsonl')
+    if checkpoints(out_dir):
+        return (f"{checkpoints(out_dir)[0]} exists: continue that run with --init_from=resume, "
+                "replace it with --overwrite=True, or pass another --out_dir")
+    if os.path.isfile(log) and os.path.getsize(log):
+        return (f"{log} holds an earlier run's log (it saved no checkpoint): replace it with "
+                "--overwrite=True, or pass another --out_dir")
+    return ''
+
+
 def kept(out_dir):
     """What a stopped run leaves behind, said truthfully."""
     names = [os.path.basename(p) for p in checkpoints(out_dir)]
@@ -456,11 +469,19 @@ class Run:
         self.made = []  # what a run that stops before its first write removes again
         if not writes:
             return
+        lock = os.path.join(out_dir, 'train.lock')
+        if os.path.islink(out_dir) and not os.path.exists(out_dir):  # (makedirs: 'File exists')
+            fail(f"out_dir={out_dir!r} is a link to {os.readlink(out_dir)!r}, which does not exist")
+        if os.path.exists(out_dir) and not os.path.isdir(out_dir):
+            fail(f"out_dir={out_dir!r} is a file, not a folder; pass --out_dir=DIR")
+        for path in (lock, self.ckpt, self.last, self.metrics):  # found now, not at the first save
+            if os.path.isdir(path):
+                fail(f"{path} is a folder, where this run writes a file: move it, or pass another "
+                     "--out_dir")
         try:
             d = os.path.abspath(out_dir)
             while not os.path.isdir(d):  # the folders makedirs adds, outermost first
                 self.made, d = [d] + self.made, os.path.dirname(d)
-            lock = os.path.join(out_dir, 'train.lock')
             self.made += [lock] * (not os.path.exists(lock))  # then the lock, if new
             os.makedirs(out_dir, exist_ok=True)
             self.lock = appending(lock)  # the OS drops the lock when the process dies

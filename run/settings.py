@@ -12,6 +12,7 @@ from dataclasses import fields
 from types import SimpleNamespace
 
 import torch
+import torch.distributed as dist
 
 from configurator import check_memory, fail
 from model import LINEAR_RULES, Block, GPTConfig
@@ -53,12 +54,21 @@ def check_settings(config, previous, data_root):
     for key, value in config.items():
         if type(value) is int and not abs(value) < 2 ** 62:
             fail(f"{key}={value} is out of range (|value| < 2**62)")
+    for key, values in choices().items():
+        if config[key] not in values:
+            fail(f"{key}={config[key]!r} is unknown: give one of {values}")
     if converting:
         check_conversion(c)
     check_processes(c.gradient_accumulation_steps)
     datasets = sorted(d for d in os.listdir(data_root) if d != 'mqar'
                       and os.path.isfile(os.path.join(data_root, d, 'prepare.py')))
     check_run(c, previous, datasets)
+
+
+def choices():
+    """The settings with a fixed set of values, and those values ('' = the default)."""
+    backends = [b for b in ('nccl', 'gloo', 'mpi', 'ucc') if getattr(dist, f'is_{b}_available')()]
+    return {'backend': ['', *backends], 'wandb_mode': ['', 'online', 'offline', 'disabled']}
 
 
 def check_model(config, previous):

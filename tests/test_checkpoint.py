@@ -535,6 +535,39 @@ def test_out_of_memory_at_the_first_step_leaves_no_out_dir(tmp_path, char_data):
     assert 'Traceback' not in r.stderr and not (tmp_path / 'new').exists()
 
 
+def test_out_dir_paths_are_blamed_right(tmp_path, char_data):
+    """A file, a dangling link or a folder where the run writes a file: one line naming that path,
+    before anything is written (a folder at ckpt.pt once failed only at the first save);
+    A/../B is B, with no stray empty A beside it."""
+    (tmp_path / 'a').mkdir()
+    (tmp_path / 'a' / 'ckpt.pt').write_text('')
+    os.symlink(tmp_path / 'nowhere', tmp_path / 'dangling')
+    for name in ('train.lock', 'ckpt.pt', 'metrics.jsonl'):
+        (tmp_path / name.replace('.', '-') / name).mkdir(parents=True)
+    for out_dir, said in ((tmp_path / 'a' / 'ckpt.pt', "ckpt.pt' is a file, not a folder"),
+                          (tmp_path / 'dangling', "dangling' is a link to"),
+                          *((tmp_path / n.replace('.', '-'), f"/{n} is a folder, where this run "
+                             "writes a file") for n in ('train.lock', 'ckpt.pt', 'metrics.jsonl'))):
+        before = sorted(os.listdir(out_dir)) if out_dir.is_dir() else None
+        assert said in refused(out_dir, char_data, '--max_iters=1')
+        assert (sorted(os.listdir(out_dir)) if out_dir.is_dir() else None) == before
+    train(f'{tmp_path}/A/../B', char_data, '--max_iters=1')
+    assert (tmp_path / 'B' / 'ckpt.pt').is_file() and not (tmp_path / 'A').exists()
+
+
+def test_an_earlier_log_without_a_checkpoint_is_never_replaced_silently(tmp_path, char_data):
+    """A run that left a log but no checkpoint (diverged, killed before its first save,
+    max_iters=0): a new run there is refused without --overwrite, the log kept; with it, replaced."""
+    train(tmp_path, char_data, '--max_iters=0')
+    log = (tmp_path / 'metrics.jsonl').read_text()
+    assert log and not list(tmp_path.glob('*.pt'))
+    said = refused(tmp_path, char_data, '--max_iters=1')
+    assert "metrics.jsonl holds an earlier run's log (it saved no checkpoint)" in said
+    assert (tmp_path / 'metrics.jsonl').read_text() == log
+    train(tmp_path, char_data, '--max_iters=1', '--overwrite=True')
+    assert [row['iter'] for row in metrics(tmp_path)] == [0, 0, 1]
+
+
 def test_a_live_run_is_never_removed(tmp_path):
     """remove_run (bench.py's, before it replaces a run) checks and takes the lock first: a live
     folder is refused; once its lock is free, removed."""

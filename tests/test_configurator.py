@@ -95,8 +95,11 @@ TRAIN_REFUSALS = [  # (train.py's flags, what it says)
     (['--device=foo'], "device='foo' should be cpu, cuda or cuda:N"),
     (['--seed=99999999999999999999999'], "seed=99999999999999999999999 must be in [0, 2**62)"),
     (['--eval_only=True'], "eval_only=True would evaluate a new random model, not"),
+    # a fixed set of values: a typo is not a default
     (['--overwrite=True', '--wandb_log=True', '--wandb_mode=bogus'],
-     "wandb_mode='bogus' should be online, offline"),
+     "wandb_mode='bogus' is unknown: give one of ['', 'online', 'offline', 'disabled']"),
+    (['--overwrite=True', '--wandb_mode=Offline'], "wandb_mode='Offline' is unknown"),
+    (['--overwrite=True', '--backend=bogus'], "backend='bogus' is unknown: give one of ['', "),
     (['--out_dir=/proc/forbidden'], "is not writable"),
 ]
 

@@ -48,7 +48,7 @@ def test_sigint_at_start_up_is_one_line(tmp_path, char_data):
         out_dir.mkdir()
         (out_dir / 'metrics.jsonl').write_text(earlier)
         p = start('train.py', *TINY_TRAIN, f'--out_dir={out_dir}', f'--data_dir={char_data}',
-                  '--max_iters=100000', '--eval_interval=100000')
+                  '--max_iters=100000', '--eval_interval=100000', '--overwrite=True')
         importing(p)
         time.sleep(delay)
         p.send_signal(signal.SIGINT)

@@ -267,7 +267,7 @@ while True:
         if losses is None and eval_only:
             print(f"error: {interrupts.why} during the evaluation; nothing was written",
                   file=sys.stderr)
-            sys.exit(130)
+            sys.exit(interrupts.code)
     if losses:
         train_loss, val_loss = losses['train'], losses['val']
         print(f"step {iter_num}: train loss {train_loss:.4f}, val loss {val_loss:.4f} "
@@ -354,6 +354,6 @@ wandb_run.finish(best_val_loss, upload=wandb_log_checkpoint and run.ckpt)
 if not stop:
     run.done(iter_num, 'the latest evaluated' if always_save_checkpoint else 'the best')
 if ddp:  # each rank's weights hash: they must match
-    leave(raw_model, ddp_rank, 130 if stop else 0)
+    leave(raw_model, ddp_rank, interrupts.code if stop else 0)
 if stop:
-    sys.exit(130)  # interrupted (its state saved): not a finished run, for `train.py && sample.py`
+    sys.exit(interrupts.code)  # interrupted, its state saved: not a finished run (`&& sample.py`)

@@ -31,11 +31,12 @@ class Interrupts:
     """Ctrl-C, SIGTERM, SIGHUP and (through on_closed_output) an output lost. While nothing is
     written they stop the process at once, even in a slow build; once the run writes they only set
     .flag (raising inside a save could break a file), which train.py's loop checks at every
-    iteration and between evaluation batches; .why says what stopped."""
+    iteration and between evaluation batches; .why says what stopped, .code the exit code: 130 for
+    a signal or a reader gone, 1 for an output that cannot be written (a full disk)."""
 
     def __init__(self):
         null_for_closed_streams()
-        self.flag, self.immediate, self.why = False, True, 'interrupted'
+        self.flag, self.immediate, self.why, self.code = False, True, 'interrupted', 130
         # Run.discard, once there is a run: removes what it made, says what is left
         self.discard = lambda: "nothing was written"
         for signum in SIGNALS:
@@ -50,11 +51,12 @@ class Interrupts:
         """on_closed_output's gone(): a reader gone is an interrupt; an output that cannot be
         written stops as one."""
         self.why = reason or self.why
+        self.code = 1 if reason else self.code
         self()
 
     def stop(self):
         say(f"error: {self.why} before training started; {self.discard()}")
-        os._exit(130)
+        os._exit(self.code)
 
     @contextmanager
     def deferred(self):

@@ -7,6 +7,7 @@ and compiled, generation, the training step next to nanoGPT's, where a decode st
 """
 import os
 import statistics
+from importlib.util import find_spec
 
 import torch
 
@@ -17,7 +18,7 @@ from benchmarks.timing import take_turns
 from benchmarks.train import add_nanogpt, check_nanogpt, step_time_vs_nanogpt
 from model import LINEAR_RULES
 from ops.linear import linear_chunked
-from ops.linear_fla import FLA, fla_runs, linear_fla
+from ops.linear_fla import fla_runs, linear_fla
 from run.checkpoint import write_atomic
 
 # every softmax kind, the delta rule, the hybrid: ~40 compilations
@@ -56,7 +57,7 @@ def gpu_report(args):
     settings = ('device', 'dtype', 'batch', 't', 'n_layer', 'n_head', 'n_embd', 'gen_tokens')
     given = [f'--{k}={getattr(args, k)}' for k in settings]  # every setting: the command reruns it
     gpu = torch.cuda.get_device_name(device) if device.startswith('cuda') else 'no GPU'
-    fla = 'installed' if FLA else 'not installed'
+    fla = 'installed' if find_spec('fla') else 'not installed'  # (FLA: None on a CPU)
     section('The run', f"`{command(args, *given)}` on {machine()}, {gpu}; fla {fla}.")
 
     runs = roofline(layouts, sizes, batch, [t], device, dtype, compile=True)
@@ -89,7 +90,7 @@ def fla_vs_ours(layouts, sizes, batch, device, T=256, rounds=10):
     difference of output and gradients. Where fla cannot run, one line that says so (the sections
     above then ran ours)."""
     if not fla_runs(torch.empty(0, device=device)):
-        why = (f"fla's kernels run on CUDA, not {device}." if FLA else
+        why = (f"fla's kernels run on CUDA, not {device}." if find_spec('fla') else
                "fla is not installed here (pip install -r requirements-gpu.txt).")
         return "Not measured: " + why
     H, d, rows = sizes['n_head'], sizes['n_embd'] // sizes['n_head'], []

@@ -12,21 +12,26 @@ interpreter, on a CPU).
                                normalizer)
 
 Under torch.compile the kernels are one opaque op (Dynamo cannot trace fla's launchers) whose
-backward runs fla's forward and backward again. Imports nothing of ours.
+backward runs fla's forward and backward again. Imports nothing of ours, and fla only where its
+kernels can run: on a CPU its import prints a "Triton is not supported" line on stderr, which
+would make every one-line error two.
 """
+import os
 from typing import Optional
 
 import torch
 from torch import Tensor
 
-try:
-    from fla.ops.gated_delta_rule import chunk_gated_delta_rule, fused_recurrent_gated_delta_rule
-    from fla.ops.simple_gla import chunk_simple_gla, fused_recurrent_simple_gla
-    # delta: (the chunked kernel, the one-token kernel)
-    FLA = {False: (chunk_simple_gla, fused_recurrent_simple_gla),
-           True: (chunk_gated_delta_rule, fused_recurrent_gated_delta_rule)}
-except ImportError:
-    FLA = None
+FLA = None  # delta: (the chunked kernel, the one-token kernel), where fla is installed and can run
+if torch.cuda.is_available() or os.environ.get('TRITON_INTERPRET') == '1':
+    try:
+        from fla.ops.gated_delta_rule import (chunk_gated_delta_rule,
+                                              fused_recurrent_gated_delta_rule)
+        from fla.ops.simple_gla import chunk_simple_gla, fused_recurrent_simple_gla
+        FLA = {False: (chunk_simple_gla, fused_recurrent_simple_gla),
+               True: (chunk_gated_delta_rule, fused_recurrent_gated_delta_rule)}
+    except ImportError:
+        pass
 
 
 def fla_runs(x):

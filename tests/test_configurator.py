@@ -202,3 +202,17 @@ def test_the_models_summary_line(tmp_path, char_data):
     assert 'the bytes shrink' in linear and 'in the linear ones' not in linear
     assert 'in order deltanet gated' in linear
     assert 'layers' not in said('gqa')
+
+
+def test_fla_is_imported_only_where_it_runs(tmp_path, char_data):
+    """fla installed on a CPU machine prints "Triton is not supported" on stderr as it is imported,
+    which made every one-line error two: a stand-in fla that prints so, and a refusal of train.py
+    (as of sample.py, the crafted-checkpoint kind) stays one line."""
+    (tmp_path / 'fla').mkdir()
+    (tmp_path / 'fla' / '__init__.py').write_text(
+        "import sys\nprint('Triton is not supported on current platform', file=sys.stderr)\n")
+    env = {'PYTHONPATH': str(tmp_path), 'CUDA_VISIBLE_DEVICES': ''}
+    said = refused(tmp_path / 'out', char_data, '--batch_size=0', env=env)
+    assert said == "error: batch_size=0 must be >= 1\n"
+    r = run('sample.py', f'--out_dir={tmp_path / "none"}', env=env)
+    assert 'Triton' not in r.stderr and r.returncode != 0

@@ -16,7 +16,6 @@ import math
 import os
 import re
 import sys
-import types
 from contextlib import contextmanager
 
 import torch
@@ -115,6 +114,8 @@ def check(key, value, config, where):
     if key not in config:
         close = difflib.get_close_matches(key, list(config), n=1)
         hint = f" (did you mean {close[0]!r}?)" if close else ""
+        if where.endswith('.py'):
+            hint = hint or " (a helper of the file: name it _" + key + ")"
         fail(f"unknown config key {key!r} in {where}{hint}")
     default = config[key]
     kind = type(default)
@@ -212,13 +213,14 @@ def configure(config, argv, script=None, given=None):
                 fail(f"config file {arg!r} not found")
             scope = Assignments(config)
             try:
-                with open(arg) as f:
-                    exec(compile(f.read(), arg, 'exec'), {}, scope)
+                with open(arg) as f:  # one namespace: a generator or lambda sees the file's names
+                    exec(compile(f.read(), arg, 'exec'), scope, scope)
             except Exception as e:
                 fail(f"config file {arg!r} failed: {type(e).__name__}: {e}")
             for key in scope.assigned:
-                if key.startswith('_') or isinstance(scope[key], types.ModuleType):
-                    continue  # helpers a config file may import
+                helper = key not in config and not isinstance(scope[key], (int, float, str))
+                if key.startswith('_') or helper:
+                    continue  # a module, function, dict ...: no setting has such a value
                 config[key] = check(key, scope[key], config, arg)
                 if given is not None:
                     given[key] = arg

@@ -55,6 +55,23 @@ def test_unknown_key_in_a_config_file(tmp_path, capsys):
     assert capsys.readouterr().err == said
 
 
+def test_a_config_file_is_python_with_helpers(tmp_path, capsys):
+    """A generator or lambda sees the file's names (it ran with separate globals and locals: a
+    NameError); modules, functions and containers are helpers, not keys; an unknown name of a
+    setting's type is refused, saying how to name a helper."""
+    f = tmp_path / 'c.py'
+    f.write_text("from math import isqrt\nimport os\nsizes = {'small': 2}\n"
+                 "n_layer = sizes['small'] * 2\nwide = lambda: n_layer * 32\nn_embd = wide()\n"
+                 "attn = '+'.join('gqa' if i % 2 else 'mha' for i in range(n_layer))\n")
+    config = configure({**DEFAULTS, 'n_layer': 1, 'n_embd': 1}, [str(f)])
+    assert (config['attn'], config['n_layer'], config['n_embd']) == ('mha+gqa+mha+gqa', 4, 128)
+    f.write_text("ratio = 3\n")
+    with pytest.raises(SystemExit):
+        configure(DEFAULTS, [str(f)])
+    said = f"error: unknown config key 'ratio' in {f} (a helper of the file: name it _ratio)\n"
+    assert capsys.readouterr().err == said
+
+
 LAYOUTS = "('mha', 'gqa', 'mqa', 'mla', 'linear', 'retnet', 'mamba2', 'deltanet', 'gated_deltanet')"
 TRAIN_REFUSALS = [  # (train.py's flags, what it says)
     (['--n_layr=2'], "unknown config key 'n_layr' in --n_layr (did you mean 'n_layer'?)"),

@@ -1,6 +1,7 @@
 """
 train.py's settings, checked before any work: each wrong one is one line on stderr and exit 2.
 
+    switch_layouts(config, given)                 a layout switch drops what a file set for another
     check_settings(config, previous, data_root)   the model's fields, then each rule below, in order
     check_training_memory(gptconf, batch_size, dtype, device)
     summary(gptconf, ...)                          the model the settings made, in one line
@@ -15,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from configurator import check_memory, fail
-from model import LINEAR_RULES, Block, GPTConfig
+from model import LAYER_FIELDS, LINEAR_RULES, Block, GPTConfig
 from ops.linear_fla import fla_runs
 from run.checkpoint import FileError, in_use, model_flags, read_checkpoint
 from run.gpt2 import is_gpt2
@@ -39,6 +40,21 @@ RANGES = (
     ('beta2', lambda v, c: 0 <= v < 1, 'in [0, 1)'),
     ('seed', lambda v, c: 0 <= v < 2 ** 62, 'in [0, 2**62)'),
 )
+
+
+def switch_layouts(config, given):
+    """A layout switch after a config file (config/gqa.py --attn=mla, config/hybrid.py
+    --attn='gated_deltanet*3+mla'): the per-layout fields that file set and no layer of the new
+    stack uses go back to their defaults, as if it had never set them (GQA's n_kv_head under MLA).
+    A field set where attn was set, or by a flag, is kept: then GPTConfig refuses it."""
+    try:
+        used = GPTConfig(attn=config['attn'], n_layer=config['n_layer']).layer_fields()
+    except (ValueError, TypeError):
+        return  # (check_model says why)
+    for name, default in LAYER_FIELDS.items():
+        by = given.get(name, '--')
+        if name not in used and by.endswith('.py') and by != given.get('attn'):
+            config[name] = default
 
 
 def check_settings(config, previous, data_root):

@@ -233,3 +233,17 @@ def test_fla_is_imported_only_where_it_runs(tmp_path, char_data):
     assert said == "error: batch_size=0 must be >= 1\n"
     r = run('sample.py', f'--out_dir={tmp_path / "none"}', env=env)
     assert 'Triton' not in r.stderr and r.returncode != 0
+
+
+def test_a_layout_switch_drops_what_a_file_set_for_another(tmp_path, char_data):
+    """config/hybrid.py's own suggestion, --attn='gated_deltanet*3+mla', and config/gqa.py
+    --attn=mla were refused for the file's n_kv_head=2, which the user never typed; it is dropped.
+    Typed as a flag, it is still refused."""
+    for n, (file, attn, summary) in enumerate((
+            ('config/hybrid.py', 'gated_deltanet*3+mla', 'gated_deltanet x3, mla x1'),
+            ('config/gqa.py', 'mla', 'mla: '))):
+        r = run('train.py', file, *TINY_TRAIN, f'--attn={attn}', '--n_layer=4', '--max_iters=0',
+                f'--out_dir={tmp_path / str(n)}', f'--data_dir={char_data}')
+        assert r.returncode == 0 and summary in r.stdout, r.stderr
+    said = refused(tmp_path / 'flag', char_data, '--attn=mla', '--n_kv_head=2')
+    assert "GPTConfig.n_kv_head=2 is invalid: no layer of attn='mla' uses it" in said

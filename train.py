@@ -125,7 +125,8 @@ ptdtype = getattr(torch, dtype)
 # 16-bit autocast on CPU too: --dtype=bfloat16 must not train float32 and log a 16-bit cache
 ctx = nullcontext() if dtype == 'float32' else torch.autocast(device_type, dtype=ptdtype)
 
-# data: uint16 token ids, prepared by rank 0 on first use; the memmap is re-opened for every batch
+# data: uint16 token ids, prepared by rank 0 on first use; the files held open for the whole run (a
+# prepare meanwhile replaces them, as another vocabulary, for the next run), a memmap per batch
 data_dir = data_dir or os.path.join(DATA, dataset)
 if ddp and not master_process:
     dist.barrier()  # wait for rank 0 to lock out_dir and prepare the data
@@ -137,6 +138,7 @@ except PrepareError as e:
     fail(str(e))
 if ddp and master_process:
     dist.barrier()
+data_files = {split: open(os.path.join(data_dir, f'{split}.bin'), 'rb') for split in ('train', 'val')}
 if not (resuming or eval_only or overwrite) and earlier_run(out_dir):  # (after the data's check)
     fail(earlier_run(out_dir))
 
@@ -148,7 +150,7 @@ def rng(*key):
 
 
 def get_batch(split, generator):
-    data = np.memmap(os.path.join(data_dir, f'{split}.bin'), dtype=np.uint16, mode='r')
+    data = np.memmap(data_files[split], dtype=np.uint16, mode='r')
     ix = torch.randint(len(data) - block_size, (batch_size,), generator=generator)
     x = torch.stack([torch.from_numpy(data[i:i + block_size].astype(np.int64)) for i in ix])
     y = torch.stack([torch.from_numpy(data[i + 1:i + 1 + block_size].astype(np.int64)) for i in ix])

@@ -10,9 +10,10 @@ import time
 
 import numpy as np
 import pytest
+import torch
 
-from conftest import (ROOT, SHAKESPEARE, TINY_TRAIN, digest, find_text, one_line, refused, run,
-                      small_gpt2_like_encoding, start, train)
+from conftest import (ROOT, SHAKESPEARE, TINY_TRAIN, digest, find_text, live_run, one_line, refused,
+                      run, small_gpt2_like_encoding, start, train)
 from data import common
 from data.mqar.prepare import load, zoology
 from data.shakespeare.prepare import prepare as prepare_bpe
@@ -136,6 +137,33 @@ def test_your_own_text_in_two_commands(tmp_path):
     r = train(tmp_path / 'out-mine', tmp_path / 'mine', '--max_iters=2')
     assert 'step 2:' in r.stdout
     assert json.load(open(tmp_path / 'mine' / 'meta.json'))['itos'][-1] == '☃'
+
+
+def test_a_prepare_under_a_live_run_changes_nothing_it_reads(tmp_path, char_data):
+    """Re-preparing a live run's data folder with a larger vocabulary: the run keeps reading the
+    files it started with (a silently wrong model, or an IndexError with the steps lost, before),
+    saves its own meta, and its checkpoint samples; the next run reads the new data."""
+    data = tmp_path / 'data'
+    shutil.copytree(char_data, data)
+    before = json.load(open(data / 'meta.json'))
+    p = live_run(tmp_path / 'out', data)
+    # '#' sorts before most characters: their ids move; '☃', 'é' take ids past the old vocabulary
+    text = open(SHAKESPEARE, encoding='utf-8').read().replace('\n', '\n#☃é')
+    (tmp_path / 'my.txt').write_text(text, encoding='utf-8')
+    r = run(CHAR_PREPARE, '--input', str(tmp_path / 'my.txt'), '--out_dir', str(data))
+    assert r.returncode == 0 and json.load(open(data / 'meta.json')) != before
+    log = tmp_path / 'out' / 'metrics.jsonl'
+    rows = len(log.read_text().splitlines())
+    while len(log.read_text().splitlines()) < rows + 5:  # more iterations, past the prepare
+        assert p.poll() is None, p.stderr.read()
+        time.sleep(0.1)
+    p.send_signal(signal.SIGINT)
+    _, err = p.communicate(timeout=60)
+    assert p.returncode == 130 and 'Traceback' not in err, err
+    ckpt = torch.load(tmp_path / 'out' / 'last.pt', weights_only=True)
+    assert ckpt['meta'] == before and ckpt['model_args']['vocab_size'] == before['vocab_size']
+    r = run('sample.py', f'--out_dir={tmp_path / "out"}', '--max_new_tokens=20', '--num_samples=1')
+    assert r.returncode == 0, r.stderr
 
 
 def test_dataset_names_a_folder_of_data_and_never_runs_another_script(tmp_path):

@@ -138,7 +138,7 @@ except PrepareError as e:
     fail(str(e))
 if ddp and master_process:
     dist.barrier()
-data_files = {split: open(os.path.join(data_dir, f'{split}.bin'), 'rb') for split in ('train', 'val')}
+data_files = {s: open(os.path.join(data_dir, f'{s}.bin'), 'rb') for s in ('train', 'val')}
 if not (resuming or eval_only or overwrite) and earlier_run(out_dir):  # (after the data's check)
     fail(earlier_run(out_dir))
 

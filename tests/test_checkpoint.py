@@ -557,7 +557,8 @@ def test_out_dir_paths_are_blamed_right(tmp_path, char_data):
 
 def test_an_earlier_log_without_a_checkpoint_is_never_replaced_silently(tmp_path, char_data):
     """A run that left a log but no checkpoint (diverged, killed before its first save,
-    max_iters=0): a new run there is refused without --overwrite, the log kept; with it, replaced."""
+    max_iters=0): a new run there is refused without --overwrite, the log kept; with it,
+    replaced."""
     train(tmp_path, char_data, '--max_iters=0')
     log = (tmp_path / 'metrics.jsonl').read_text()
     assert log and not list(tmp_path.glob('*.pt'))

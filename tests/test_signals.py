@@ -246,7 +246,8 @@ def test_a_run_with_closed_streams_trains_saves_and_lets_go(tmp_path, char_data,
     """cron, a detached shell: stdout or stderr closed is not an error. The run trains and saves,
     exits 0 and releases its lock; nothing printed lands in a file that took the closed
     descriptor (the lock, the log)."""
-    args = ' '.join([*TINY_TRAIN, '--max_iters=6', f'--out_dir={tmp_path}', f'--data_dir={char_data}'])
+    args = ' '.join([*TINY_TRAIN, '--max_iters=6', f'--out_dir={tmp_path}',
+                     f'--data_dir={char_data}'])
     r = subprocess.run(f"{sys.executable} train.py {args} {closed}", shell=True, cwd=ROOT,
                        stdout=None if '>&-' in closed else subprocess.PIPE,
                        stderr=None if '2>&-' in closed else subprocess.PIPE, timeout=300)

@@ -122,14 +122,15 @@ def test_attend_equals_naive_reference(fn, L, S):
 
 
 @pytest.mark.parametrize('L', [1, 130])
-def test_static_cache_never_reads_the_blocks_past_its_last_query(L):
+@pytest.mark.parametrize('last', [255, 256, 269])  # a block's last key, the next's first, inside
+def test_static_cache_never_reads_the_blocks_past_its_last_query(L, last):
     """Compiled, a static cache's attention reads only its filled part: with NaN in every block of
     keys and values past the one holding the last query's position, the output is still the
-    attention over the filled keys."""
-    # the last query at 140 + L - 1: block 1 (or 2); blocks 3 and 4 must stay unread
-    pos, S = 140, 600
+    attention over the filled keys. At a block's last key too: one key past it is the next
+    block's, which must stay unread."""
+    pos, S = last - L + 1, 600  # the blocks after the one holding last must stay unread
     q, k, v = (x.float() for x in inputs(L, S, seed=3))  # (compiled flex on a CPU: float32 at most)
-    first_unread = (pos + L - 1) // 128 * 128 + 128
+    first_unread = last // 128 * 128 + 128
     k[:, :, first_unread:], v[:, :, first_unread:] = float('nan'), float('nan')
     # (eager: dense)
     out = torch.compile(attend, fullgraph=True)(q, k, v, mask=filled(torch.tensor(pos), L, S))

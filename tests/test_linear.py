@@ -206,6 +206,15 @@ def test_phi_positive_in_bf16():
     assert (torch.nn.functional.elu(x) + 1 == 0).any()  # the naive formula underflows here
 
 
+def test_phi_gradient_finite_for_large_inputs():
+    """torch.where differentiates both branches: exp(x) of float32 x > 88 is inf, and inf times the
+    untaken branch's zero a NaN gradient, unless the exp's input is clamped."""
+    x = torch.tensor([-30.0, -1.0, 0.0, 50.0, 89.0, 1e4], requires_grad=True)
+    phi(x).sum().backward()
+    assert torch.isfinite(x.grad).all(), x.grad
+    assert torch.equal(x.grad[x >= 0], torch.ones(4))  # d(x + 1)/dx
+
+
 @pytest.mark.parametrize('layout', list(LINEAR_RULES))
 def test_float32_state_in_a_bf16_model_and_under_autocast(layout):
     model = make_model(layout, dtype=torch.bfloat16)

@@ -36,6 +36,13 @@ def first(mapping):
     return next(iter(mapping))
 
 
+def one_element(model, value):
+    """model's weights with one element of the first set to value: the rest finite."""
+    w = model[first(model)].clone()
+    w.view(-1)[-1] = value
+    return {**model, first(model): w}
+
+
 # Each a checkpoint with one thing wrong: its bytes, or trained's state changed so
 BYTES = {'text': lambda good: b'not a checkpoint at all', 'empty': lambda good: b'',
          'corrupt': lambda good: good[:5000], 'random': lambda good: os.urandom(4096)}
@@ -46,6 +53,8 @@ STATES = {
     # (no evaluation could ever beat it: ckpt.pt frozen)
     'minusinf': lambda s: {**s, 'best_val_loss': -math.inf},
     'nan': lambda s: {**s, 'model': nan_weights(s['model'])},
+    'onenan': lambda s: {**s, 'model': one_element(s['model'], math.nan)},
+    'oneinf': lambda s: {**s, 'model': one_element(s['model'], -math.inf)},
     'int64': lambda s: {**s, 'model': {k: v.long() if k == first(s['model']) else v
                                        for k, v in s['model'].items()}},
     'missing': lambda s: {**s, 'model': {k: v for k, v in s['model'].items()
@@ -91,6 +100,8 @@ RESUME_FROM = [  # (trained's checkpoint broken so, or trained itself; flags; wh
     ('nanbest', [], "no best_val_loss of the right"),
     ('minusinf', [], "no best_val_loss of the right"),
     ('nan', [], "is not finite"),  # (was a NaN loss)
+    ('onenan', [], "is not finite"),  # one element is enough
+    ('oneinf', [], "is not finite"),
     ('missing', [], "Missing key(s) in state_dict"),
     ('extra', [], 'Unexpected key(s) in state_dict: "transformer.extra.weight"'),
     ('nooptim', [], "no optimizer of the right kind in it: not a checkpoint of train.py"),

@@ -296,12 +296,16 @@ def test_a_crafted_optimizer_state_is_refused():
     load_optimizer(adamw(), good)  # the untouched state loads
     one = first(good['state'])
     s = good['state'][one]
+    last = lambda t, value: torch.cat([t.flatten()[:-1], t.new_tensor([value])]).view_as(t)
     for bad in ({'step': torch.tensor(-1.0)}, {'step': torch.tensor(1.5)},
                 # steps that wrap or stick at + 1 (tracebacks)
                 {'step': torch.tensor(True)}, {'step': torch.tensor(127, dtype=torch.int8)},
                 {'step': torch.tensor(2048.0).half()},
                 {'exp_avg': torch.full_like(s['exp_avg'], float('nan'))},
                 {'exp_avg_sq': -s['exp_avg_sq'] - 1}, {'max_exp_avg_sq': s['exp_avg_sq']},
+                # one element is enough
+                {'exp_avg_sq': last(s['exp_avg_sq'], -1.0)},
+                {'exp_avg': last(s['exp_avg'], math.inf)},
                 # (cast, said nothing)
                 {'exp_avg': s['exp_avg'].to(torch.complex64)}, {'exp_avg': s['exp_avg'].long()}):
         crafted = {**good, 'state': {**good['state'], one: {**s, **bad}}}

@@ -27,6 +27,15 @@ def test_files_in_order_then_overrides(tmp_path):
     assert DEFAULTS['batch_size'] == 64  # the defaults are not modified
 
 
+@pytest.mark.parametrize('text,value', [('true', True), ('TRUE', True), ('false', False),
+                                        ('FaLsE', False)])
+def test_a_bool_in_any_case(text, value):
+    """--compile=true is True as --compile=True is (and false False), from either default; 'yes'
+    stays refused (test_mistakes_are_one_clear_line)."""
+    config = configure({**DEFAULTS, 'compile': not value}, [f'--compile={text}'])
+    assert config['compile'] is value
+
+
 @pytest.mark.parametrize('argv,message', [
     (['--batchsize=3'], "unknown config key 'batchsize' in --batchsize (did you mean "
                         "'batch_size'?)"),

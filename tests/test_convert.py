@@ -188,6 +188,16 @@ def test_train_py_converts_an_mha_checkpoint(tmp_path, char_data):
     assert (tmp_path / 'mha' / 'ckpt.pt').read_bytes() == before
 
 
+def test_a_conversion_drops_out_as_this_run_asks(tmp_path, trained, char_data):
+    """Dropout is this run's to choose, as the layout is: never the source run's."""
+    source = torch.load(trained / 'ckpt.pt', weights_only=True)['model_args']['dropout']
+    asked = source + 0.1
+    train(tmp_path, char_data, '--attn=gqa', '--n_kv_head=2', f'--init_from={trained}',
+          f'--dropout={asked}', '--max_iters=1', '--eval_interval=1',
+          '--always_save_checkpoint=True')
+    assert torch.load(tmp_path / 'ckpt.pt', weights_only=True)['model_args']['dropout'] == asked
+
+
 def test_a_conversion_source_missing_a_weight_or_longer_than_the_data_is_one_line(
         tmp_path, trained, char_data):
     """A conversion source with a weight missing, or a block_size longer than the data, is one

@@ -43,6 +43,15 @@ def test_cached_and_uncached_give_the_same_text(ckpt_dir):
     assert seeded[0] != seeded[1]
 
 
+def test_a_model_trained_with_dropout_samples_without_it(tmp_path, char_data):
+    """Greedy, every sample of one prompt is the same text: dropout left on (train mode) would draw
+    another mask for each."""
+    train(tmp_path, char_data, '--max_iters=4', '--eval_interval=4', '--dropout=0.5')
+    out = sample(str(tmp_path), '--temperature=0', '--num_samples=3')
+    texts = out.split('---------------\n')
+    assert len(texts) == 4 and texts[0] == texts[1] == texts[2], texts
+
+
 def test_compare_table(ckpt_dir):
     out = sample(ckpt_dir, '--compare', '--num_samples=2', '--max_new_tokens=80', '--start=ROMEO:')
     rows = table(out)

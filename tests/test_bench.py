@@ -562,6 +562,18 @@ def test_mqar_run_stops_at_99_percent_and_records_its_crossings(tmp_path):
     assert max(stuck['recall'].values()) < 0.2
 
 
+def test_mqar_best_lr_past_99_percent_is_the_fastest():
+    """Zoology's pick: the best mean recall over the seeds, capped at 99%; the rates past it told
+    apart by their mean steps, the fewest winning (not the highest recall, nor the most steps);
+    below 99%, recall wins whatever the steps."""
+    runs = {1e-3: ([0.999, 0.997], [800, 900]), 3e-3: ([0.995, 0.993], [300, 500]),
+            1e-2: ([0.98, 0.97], [100, 100])}  # lr: (each seed's recall, its steps)
+    sweep = mqar.Sweep({('mha', lr, seed): {'recall': {(12, 2): r[seed]}, 'steps': n[seed]}
+                        for lr, (r, n) in runs.items() for seed in (0, 1)}, seeds=2)
+    assert sweep.best('mha', list(runs)) == 3e-3
+    assert sweep.best('mha', [1e-2, 1e-3]) == 1e-3
+
+
 def test_mqar_recall_counts_the_answers_only_and_the_pair_embedding_adds_key_and_value():
     """Recall: argmax == target at the answers (y >= 0), nowhere else; a model that is right at
     every other answer scores 50%. A position key * vocab + value is embedded as the tied wte's key

@@ -57,6 +57,16 @@ def test_bfloat16_on_cpu_trains_in_bfloat16(tmp_path, char_data):
     assert all(map(math.isfinite, val['bfloat16'])) and val['bfloat16'] != val['float32']
 
 
+def test_the_logged_loss_is_a_micro_batchs_whatever_the_accumulation(tmp_path, char_data):
+    """With gradient_accumulation_steps=4 in one process, the logged batch loss is a micro-batch's
+    loss, not the quarter of it that is backpropagated: at iteration 0, close to the evaluated
+    train loss of the same (initial) weights."""
+    train(tmp_path, char_data, '--max_iters=1', '--eval_interval=1', '--log_interval=1',
+          '--gradient_accumulation_steps=4')
+    at_0 = {k: v for m in metrics(tmp_path) if m['iter'] == 0 for k, v in m.items()}
+    assert abs(at_0['train/batch_loss'] / at_0['train/loss'] - 1) < 0.2, at_0
+
+
 def test_ddp_two_cpu_processes(tmp_path, char_data):
     r = train(tmp_path, char_data, '--attn=gqa', '--max_iters=6', '--eval_interval=3',
               '--gradient_accumulation_steps=2', '--always_save_checkpoint=True', launcher=DDP)

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from conftest import DDP, TINY_TRAIN, metrics, run, train
+from run.optim import cosine_lr
 
 # bytes per token at fp32, from the table: K and V per layer and head, or MLA's d_c 4 * head_dim
 # and d_R head_dim / 2
@@ -65,6 +66,15 @@ def test_the_logged_loss_is_a_micro_batchs_whatever_the_accumulation(tmp_path, c
           '--gradient_accumulation_steps=4')
     at_0 = {k: v for m in metrics(tmp_path) if m['iter'] == 0 for k, v in m.items()}
     assert abs(at_0['train/batch_loss'] / at_0['train/loss'] - 1) < 0.2, at_0
+
+
+def test_the_learning_rate_decays_to_min_lr_and_stays_there():
+    """After its warmup the rate never rises: down to min_lr at lr_decay_iters, then min_lr (the
+    cosine, read past its end, climbs back to the peak)."""
+    peak, min_lr, warmup, decay = 1e-3, 1e-4, 10, 100
+    lrs = [cosine_lr(it, peak, warmup, decay, min_lr) for it in range(3 * decay)]
+    assert all(a >= b for a, b in zip(lrs[warmup:], lrs[warmup + 1:]))
+    assert lrs[decay:] == [min_lr] * (2 * decay) and lrs[decay - 1] > min_lr
 
 
 def test_ddp_two_cpu_processes(tmp_path, char_data):

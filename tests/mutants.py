@@ -1,5 +1,7 @@
 """Deliberate one-line bugs in model.py and the files of its maths (ops/: softmax.py, mla.py,
-linear.py, cache.py, sampling.py), each run against the tests: how many does the suite catch?
+linear.py, cache.py, sampling.py), and in the scripts' code around it (checkpoints, flags,
+conversion, sampling, the schedule, bench), each run against the tests: how many does the suite
+catch?
 
     python tests/mutants.py          # every mutant against the model-level tests (minutes)
     python tests/mutants.py --all    # ... and each survivor against the whole suite
@@ -7,7 +9,9 @@ linear.py, cache.py, sampling.py), each run against the tests: how many does the
 
 Each mutant replaces one exact fragment of those files in a copy of the repo's working tree (never
 the tree itself). A fragment that does not occur exactly once in them stops the run: a stale list
-must not pass for a caught bug.
+must not pass for a caught bug. A mutant may name the tests that catch it, run instead of the
+model-level files: those of the scripts (train.py, sample.py, bench) for a bug outside the model,
+the one quick test that was written for it for a bug inside.
 """
 import os
 import shutil
@@ -17,13 +21,14 @@ import tempfile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FILES = ('model.py', 'ops/softmax.py', 'ops/mla.py', 'ops/linear.py', 'ops/cache.py',
-         'ops/sampling.py')
+         'ops/sampling.py', 'run/checkpoint.py', 'run/convert.py', 'run/optim.py', 'train.py',
+         'sample.py', 'configurator.py', 'benchmarks/mqar.py', 'benchmarks/decode.py')
 # no train.py runs; the quick files first, so that -x stops a caught mutant early
 MODEL_TESTS = ['test_reference.py', 'test_mla.py', 'test_config.py', 'test_hybrid.py',
                'test_attention.py', 'test_linear.py', 'test_memory.py', 'test_property.py',
                'test_cache.py', 'test_generate.py', 'test_gpt.py']
 
-MUTANTS = [  # (what the bug is, the fragment, its replacement)
+MUTANTS = [  # (what the bug is, the fragment, its replacement[, the tests that catch it])
     ("RoPE: theta_i = base^(-i/d)",
      "device=positions.device) / dim\n", "device=positions.device) / (2 * dim)\n"),
     ("RoPE: rotates the other way", "% 2 == 0)  # -1, +1, -1", "% 2 == 1)  # -1, +1, -1"),
@@ -136,13 +141,57 @@ MUTANTS = [  # (what the bug is, the fragment, its replacement)
     ("window: slide keeps the last token only",
      "start = idx.size(1) - max(1, block_size // 2)", "start = idx.size(1) - 1"),
     ("sample: top-k keeps ties below the k-th", "logits < v[:, [-1]]", "logits < v[:, [0]]"),
+    # issue #56's: each passed the whole suite until the test named with it
+    ("split-KV decode: a block's last key lists the next block too",
+     ".clamp(max=L) - 1\n", ".clamp(max=L)\n",
+     ['test_attention.py::test_static_cache_never_reads_the_blocks_past_its_last_query']),
+    ("linear: phi's exp unclamped (NaN gradients past 88)",
+     "torch.exp(x.clamp(max=0)))", "torch.exp(x))",
+     ['test_linear.py::test_phi_gradient_finite_for_large_inputs']),
+    ("checkpoint: a weight with one NaN or inf element loads",
+     "if not v.isfinite().all():", "if not v.isfinite().any():",
+     [f'test_checkpoint.py::test_a_resume_from_a_broken_checkpoint_is_one_line[{kind}]'
+      for kind in ('onenan', 'oneinf')]),
+    ("checkpoint: an optimizer state with one negative second moment loads",
+     "bool((s['exp_avg_sq'] >= 0).all())", "bool((s['exp_avg_sq'] >= 0).any())",
+     ['test_checkpoint.py::test_a_crafted_optimizer_state_is_refused']),
+    ("configurator: --flag=true read as False",
+     "return text.lower() == 'true'", "return text == 'True'",
+     ['test_configurator.py::test_a_bool_in_any_case']),
+    ("conversion: the source run's dropout kept",
+     "dropout=config['dropout'], block_size", "dropout=cfg.dropout, block_size",
+     ['test_convert.py::test_a_conversion_drops_out_as_this_run_asks']),
+    ("sample.py: the model left in train mode (its dropout on)",
+     "model.eval().to(device=device", "model.to(device=device",
+     ['test_sample.py::test_a_model_trained_with_dropout_samples_without_it']),
+    ("MQAR: past 99%, the lr of the most steps wins",
+     "0.99), -steps(lr))", "0.99), steps(lr))",
+     ['test_bench.py::test_mqar_best_lr_past_99_percent_is_the_fastest']),
+    ("bench generation: tokens/s of the slower run",
+     "secs = {k: min(out[k][2])", "secs = {k: max(out[k][2])",
+     ['test_bench.py::test_generation_reports_each_ways_faster_run']),
+    ("train.py: one process's logged loss divided by gradient_accumulation_steps",
+     "lossf = loss.item() * gradient_accumulation_steps", "lossf = loss.item()",
+     ['test_train.py::test_the_logged_loss_is_a_micro_batchs_whatever_the_accumulation']),
+    ("cosine_lr: back up to the peak past lr_decay_iters",
+     "    if it > lr_decay_iters:\n        return min_lr\n", "",
+     ['test_train.py::test_the_learning_rate_decays_to_min_lr_and_stays_there']),
 ]
 
 
+def tests_of(mutant):
+    """The tests a mutant runs against, as paths in the tree: those it names, else the model-level
+    files."""
+    return [os.path.join('tests', t) for t in (mutant[3] if len(mutant) > 3 else MODEL_TESTS)]
+
+
 def run(tests, tree):
+    """(failed, pytest's last line): whole files on 2 workers; only named tests in one process
+    (a few start sooner than 2 workers do)."""
     env = {**os.environ, 'SHAKESPEARE_PATH': os.environ.get('SHAKESPEARE_PATH') or os.path.join(
         os.path.dirname(ROOT), 'shared', 'data', 'tinyshakespeare', 'input.txt')}
-    pytest = [sys.executable, '-m', 'pytest', '-q', '-x', '-n', '2', '-p', 'no:cacheprovider']
+    workers = [] if all('::' in t for t in tests) else ['-n', '2']
+    pytest = [sys.executable, '-m', 'pytest', '-q', '-x', *workers, '-p', 'no:cacheprovider']
     r = subprocess.run([*pytest, *tests], cwd=tree, capture_output=True, text=True, env=env)
     return r.returncode != 0, (r.stdout.strip().splitlines() or [''])[-1]
 
@@ -161,20 +210,21 @@ def main():
         for path in files:
             os.makedirs(os.path.join(tree, os.path.dirname(path)), exist_ok=True)
             shutil.copy(os.path.join(ROOT, path), os.path.join(tree, path))
-        failed, summary = run([os.path.join('tests', t) for t in MODEL_TESTS], tree)
+        names = [a for a in sys.argv[1:] if not a.startswith('-')]
+        chosen = [m for m in MUTANTS if not names or any(a in m[0] for a in names)]
+        # the unmutated tree first, against every test a chosen mutant runs
+        failed, summary = run(list(dict.fromkeys(t for m in chosen for t in tests_of(m))), tree)
         if failed:
-            sys.exit(f"error: the tests fail on the unmutated model: {summary}")
-        for name, old, new in MUTANTS:
-            names = [a for a in sys.argv[1:] if not a.startswith('-')]
-            if names and not any(a in name for a in names):
-                continue
+            sys.exit(f"error: the tests fail on the unmutated tree: {summary}")
+        for mutant in chosen:
+            name, old, new = mutant[:3]
             if sum(s.count(old) for s in sources.values()) != 1:
                 sys.exit(f"error: mutant {name!r}: its fragment does not occur exactly once in "
                          f"{' and '.join(FILES)}")
             for path, source in sources.items():  # the mutated file, and the others restored
                 with open(os.path.join(tree, path), 'w') as f:
                     f.write(source.replace(old, new))
-            failed, summary = run([os.path.join('tests', t) for t in MODEL_TESTS], tree)
+            failed, summary = run(tests_of(mutant), tree)
             if not failed and '--all' in sys.argv:
                 failed, summary = run(['tests'], tree)
             caught += failed

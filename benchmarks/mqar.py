@@ -105,9 +105,10 @@ class PairEmbedding(torch.nn.Module):
 
 class ConvFirst(torch.nn.Module):
     """A mixer with a short causal conv in front: each channel of its input, the sum of its last
-    `taps` tokens' values, weighted per tap. Zoology's BaseConv in front of every mixer, as an
-    identity at init (the current token's tap 1, the others 0): PyTorch's default init, uniform in
-    ±1/sqrt(taps), starts by smearing each key with its neighbours."""
+    `taps` tokens' values, weighted per tap; the same in front of every mixer, softmax too. The
+    identity at init (the current token's tap 1, the others 0): nn.Conv1d's default init (fla's
+    ShortConvolution's, and the linear layers' own), uniform in ±1/sqrt(taps), starts by smearing
+    each key with its neighbours, which cost the linear rules most of their recall here."""
 
     def __init__(self, mixer, channels, taps):
         super().__init__()

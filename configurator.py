@@ -16,6 +16,7 @@ import math
 import os
 import re
 import sys
+import types
 from contextlib import contextmanager
 
 import torch
@@ -113,10 +114,9 @@ def check(key, value, config, where):
     """The value, converted to the default's type, or fail naming the key and the expected type."""
     if key not in config:
         close = difflib.get_close_matches(key, list(config), n=1)
-        hint = f" (did you mean {close[0]!r}?)" if close else ""
-        if where.endswith('.py'):
-            hint = hint or " (a helper of the file: name it _" + key + ")"
-        fail(f"unknown config key {key!r} in {where}{hint}")
+        hint = [f"did you mean {close[0]!r}?"] if close else []
+        hint += [f"a helper of the file: name it _{key}"] * where.endswith('.py')
+        fail(f"unknown config key {key!r} in {where}" + (f" ({' '.join(hint)})" if hint else ""))
     default = config[key]
     kind = type(default)
     if kind is float and type(value) is int:
@@ -218,9 +218,9 @@ def configure(config, argv, script=None, given=None):
             except Exception as e:
                 fail(f"config file {arg!r} failed: {type(e).__name__}: {e}")
             for key in scope.assigned:
-                helper = key not in config and not isinstance(scope[key], (int, float, str))
-                if key.startswith('_') or helper:
-                    continue  # a module, function, dict ...: no setting has such a value
+                imported = isinstance(scope[key], types.ModuleType) or callable(scope[key])
+                if key.startswith('_') or key not in config and imported:
+                    continue  # helpers: _names, and the modules and functions it imports or defines
                 config[key] = check(key, scope[key], config, arg)
                 if given is not None:
                     given[key] = arg

@@ -92,7 +92,8 @@ memory_errors_in_one_line()
 on_closed_output(interrupts.output_lost)
 given = {}  # the keys a config file or flag set: what set each last
 config = configure(defaults(globals()), sys.argv[1:], __file__, given)
-config['out_dir'] = os.path.normpath(config['out_dir'])  # A/../B is B: makedirs would make an A too
+if config['out_dir']:  # A/../B is B: makedirs would make an A too ('': refused as not writable)
+    config['out_dir'] = os.path.normpath(config['out_dir'])
 switch_layouts(config, given)  # config/gqa.py --attn=mla: GQA's n_kv_head=2 dropped
 if 'compile' not in given and not device.startswith('cuda'):  # compiling on a CPU takes minutes
     config['compile'] = False
@@ -139,8 +140,8 @@ except PrepareError as e:
 if ddp and master_process:
     dist.barrier()
 data_files = {s: open(os.path.join(data_dir, f'{s}.bin'), 'rb') for s in ('train', 'val')}
-if not (resuming or eval_only or overwrite) and earlier_run(out_dir):  # (after the data's check)
-    fail(earlier_run(out_dir))
+if not (resuming or eval_only or overwrite) and (earlier := earlier_run(out_dir)):  # (data first)
+    fail(earlier)
 
 
 def rng(*key):

@@ -216,8 +216,8 @@ def cli(prepare, description):
     p.add_argument('--input', help=f'local input.txt (default: ${ENV}, else download)')
     p.add_argument('--out_dir', default=here,
                    help='where train.bin, val.bin, meta.json go (default: beside this script)')
-    args = p.parse_args()
     on_closed_output(end_on_lost_output)  # stdout's disk full: said as such, not as the dataset's
+    args = p.parse_args()  # (after: --help >&- would print to stderr)
     with fail_on(PrepareError):
         run_prepare(prepare, args.out_dir, args.input)
 

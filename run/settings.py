@@ -43,18 +43,21 @@ RANGES = (
 
 
 def switch_layouts(config, given):
-    """A layout switch after a config file (config/gqa.py --attn=mla, config/hybrid.py
-    --attn='gated_deltanet*3+mla'): the per-layout fields that file set and no layer of the new
-    stack uses go back to their defaults, as if it had never set them (GQA's n_kv_head under MLA).
-    A field set where attn was set, or by a flag, is kept: then GPTConfig refuses it."""
-    try:
-        used = GPTConfig(attn=config['attn'], n_layer=config['n_layer']).layer_fields()
-    except (ValueError, TypeError):
-        return  # (check_model says why)
-    for name, default in LAYER_FIELDS.items():
+    """A layout switch after a config file (config/gqa.py --attn=mla or --attn=mha, config/hybrid.py
+    --attn='gated_deltanet*3+mla'): each per-layout field that file set and the new stack refuses
+    goes back to its default, as if never set (GQA's n_kv_head=2 under MLA or MHA). A field set
+    where attn was set, or by a flag, is kept: then check_model says why it is refused."""
+    while True:
+        try:
+            GPTConfig(**{f.name: config[f.name] for f in fields(GPTConfig) if f.name in config})
+            return
+        except (ValueError, TypeError) as e:  # 'GPTConfig.NAME=VALUE is invalid: ...'
+            name = (re.match(r"GPTConfig\.(\w+)=", str(e)) or [None, None])[1]
         by = given.get(name, '--')
-        if name not in used and by.endswith('.py') and by != given.get('attn'):
-            config[name] = default
+        if name not in LAYER_FIELDS or not by.endswith('.py') or by == given.get('attn') \
+                or config[name] == LAYER_FIELDS[name]:
+            return
+        config[name] = LAYER_FIELDS[name]
 
 
 def check_settings(config, previous, data_root):

@@ -60,25 +60,28 @@ def test_unknown_key_in_a_config_file(tmp_path, capsys):
     f.write_text("atn = 'mla'\n")
     with pytest.raises(SystemExit):
         configure(DEFAULTS, [str(f)])
-    said = f"error: unknown config key 'atn' in {f} (did you mean 'attn'?)\n"
+    said = (f"error: unknown config key 'atn' in {f} (did you mean 'attn'? a helper of the file: "
+            "name it _atn)\n")
     assert capsys.readouterr().err == said
 
 
 def test_a_config_file_is_python_with_helpers(tmp_path, capsys):
     """A generator or lambda sees the file's names (it ran with separate globals and locals: a
-    NameError); modules, functions and containers are helpers, not keys; an unknown name of a
-    setting's type is refused, saying how to name a helper."""
+    NameError); the modules and functions it imports or defines are helpers, not keys; any other
+    unknown name is refused, saying how to name a helper (a mistyped setting is never dropped)."""
     f = tmp_path / 'c.py'
-    f.write_text("from math import isqrt\nimport os\nsizes = {'small': 2}\n"
-                 "n_layer = sizes['small'] * 2\nwide = lambda: n_layer * 32\nn_embd = wide()\n"
+    f.write_text("from math import isqrt\nimport os\n_sizes = {'small': 2}\n"
+                 "n_layer = _sizes['small'] * 2\nwide = lambda: n_layer * 32\nn_embd = wide()\n"
                  "attn = '+'.join('gqa' if i % 2 else 'mha' for i in range(n_layer))\n")
     config = configure({**DEFAULTS, 'n_layer': 1, 'n_embd': 1}, [str(f)])
     assert (config['attn'], config['n_layer'], config['n_embd']) == ('mha+gqa+mha+gqa', 4, 128)
-    f.write_text("ratio = 3\n")
-    with pytest.raises(SystemExit):
-        configure(DEFAULTS, [str(f)])
-    said = f"error: unknown config key 'ratio' in {f} (a helper of the file: name it _ratio)\n"
-    assert capsys.readouterr().err == said
+    for line, name in (("ratio = 3", 'ratio'), ("sizes = {'small': 2}", 'sizes'),
+                       ("betas = (0.9, 0.95)", 'betas')):
+        f.write_text(line + "\n")
+        with pytest.raises(SystemExit):
+            configure(DEFAULTS, [str(f)])
+        said = f"error: unknown config key {name!r} in {f} (a helper of the file: name it _{name})\n"
+        assert capsys.readouterr().err == said
 
 
 LAYOUTS = "('mha', 'gqa', 'mqa', 'mla', 'linear', 'retnet', 'mamba2', 'deltanet', 'gated_deltanet')"
@@ -246,11 +249,11 @@ def test_fla_is_imported_only_where_it_runs(tmp_path, char_data):
 
 def test_a_layout_switch_drops_what_a_file_set_for_another(tmp_path, char_data):
     """config/hybrid.py's own suggestion, --attn='gated_deltanet*3+mla', and config/gqa.py
-    --attn=mla were refused for the file's n_kv_head=2, which the user never typed; it is dropped.
-    Typed as a flag, it is still refused."""
+    --attn=mla (or mha) were refused for the file's n_kv_head=2, which the user never typed; it is
+    dropped. Typed as a flag, it is still refused."""
     for n, (file, attn, summary) in enumerate((
             ('config/hybrid.py', 'gated_deltanet*3+mla', 'gated_deltanet x3, mla x1'),
-            ('config/gqa.py', 'mla', 'mla: '))):
+            ('config/gqa.py', 'mla', 'mla: '), ('config/gqa.py', 'mha', 'mha: '))):
         r = run('train.py', file, *TINY_TRAIN, f'--attn={attn}', '--n_layer=4', '--max_iters=0',
                 f'--out_dir={tmp_path / str(n)}', f'--data_dir={char_data}')
         assert r.returncode == 0 and summary in r.stdout, r.stderr

@@ -232,7 +232,8 @@ def test_ddp_a_killed_rank_leaves_one_line_from_the_other(tmp_path, char_data, k
     assert len(ours) == 1 and re.fullmatch(said, ours[0]), err
 
 
-@pytest.mark.parametrize('script', ['train.py --help', 'sample.py --help', 'bench.py --help'])
+@pytest.mark.parametrize('script', ['train.py --help', 'sample.py --help', 'bench.py --help',
+                                    'data/shakespeare_char/prepare.py --help'])
 def test_a_closed_stdout_is_not_an_error(script):
     """`>&-` closes the descriptor (Python's sys.stdout is None): the output goes nowhere, as to
     /dev/null; no AttributeError at the first print, no error."""

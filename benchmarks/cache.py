@@ -15,8 +15,7 @@ import os
 
 import torch
 
-from benchmarks.common import (HYBRID, LAYOUTS, MORE, ROOT, add_layouts, count, flag, published,
-                               row, table)
+from benchmarks.common import HYBRID, LAYOUTS, MORE, ROOT, add_layouts, count, flag, row, table
 from benchmarks.models import CHAPTER, ModelError, from_sizes, read_config
 from configurator import checked
 from model import GPT, GPTConfig
@@ -41,7 +40,6 @@ def add_arguments(p):
 
 def check(args, error):
     """Every config read before any work: one line for the first one we cannot read."""
-    published(args, error)
     paths = []
     try:  # a model's folder: its config.json; another folder: its .json files
         for path in args.models.split(',') if args.models else []:

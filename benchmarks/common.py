@@ -146,16 +146,11 @@ def add_layouts(p, default=','.join(LAYOUTS)):
     flag(p, 'layouts', default, layout_list, 'a comma-separated subset of the layouts')
 
 
-def published(args, error, iters=None):
-    """--readme replaces a README table whole: the run must be whole too, every layout and at least
-    the default iterations (a 3-step run of one layout once rewrote 85 rows as 76). Returns
-    --max_iters, the default (iters) if not given."""
-    max_iters = getattr(args, 'max_iters', None) or iters
-    if args.readme and getattr(args, 'layouts', list(LAYOUTS)) != list(LAYOUTS):
-        error(f"--layouts={','.join(args.layouts)}: --readme publishes every layout's row (leave "
-              "out --layouts); a partial run writes to --out")
-    if args.readme and iters and max_iters < iters:
-        error(f"--max_iters={max_iters}: --readme publishes runs of at least {iters} iterations, "
+def iterations(args, error, default):
+    """--max_iters, default if not given; with --readme no fewer (a 3-step run is no result)."""
+    max_iters = args.max_iters or default
+    if args.readme and max_iters < default:
+        error(f"--max_iters={max_iters}: --readme publishes runs of at least {default} iterations, "
               "the default; a shorter run writes to --out")
     return max_iters
 

@@ -13,7 +13,7 @@ data, the MHA uptrained as long as each conversion (another text: it learns it t
 import os
 
 from benchmarks.common import (LEGEND_OUTSIDE, MORE, command, count, flag, listed, machine, plot,
-                               published, row, table)
+                               iterations, row, table)
 from benchmarks.train import (OWNED, add_extra, check_extras, check_models, runs_train_py,
                               train_run)
 from configurator import checked
@@ -41,7 +41,7 @@ def add_arguments(p):
 
 def check(args, error):
     check_extras(args, error, OWNED + UPTRAINING)
-    args.max_iters = published(args, error, 2000)
+    args.max_iters = iterations(args, error, 2000)
     mha = args.source and os.path.isfile(os.path.join(args.source, 'ckpt.pt'))
     if args.source and not (mha or is_gpt2(args.source)):
         error(f"--source={args.source}: give an out_dir with an MHA ckpt.pt, or GPT-2 (gpt2, "

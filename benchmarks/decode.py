@@ -17,8 +17,8 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
 from benchmarks.common import (LAYOUTS, LEGEND_OUTSIDE, MORE, add_device, add_layouts,
-                               compile_options, count, flag, listed, machine, plot, progress,
-                               published, row, table)
+                               compile_options, count, flag, listed, machine, plot, progress, row,
+                               table)
 from benchmarks.timing import generate_in_turns, take_turns
 from configurator import check_device, check_memory, checked
 from model import GPT, GPTConfig
@@ -56,7 +56,6 @@ def add_model_flags(p, batch, dtype, batch_is):
 
 
 def check(args, error):
-    published(args, error)
     check_device_and_dtype(args, error)
     what = f"--t={args.t}, --batch={args.batch}, --contexts, the sizes: weights and caches"
     check_sizes(args, args.contexts, args.compile, what)

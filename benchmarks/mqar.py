@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from benchmarks.common import (LAYOUTS, LEGEND_OUTSIDE, MORE, add_device, add_layouts, command,
-                               count, flag, listed, machine, plot, progress, published, row,
+                               count, flag, listed, machine, plot, progress, iterations, row,
                                table)
 from configurator import check_device, check_memory, fail
 from data.mqar.prepare import SETS, load, parse_sets, parse_vocab, prepare, zoology
@@ -65,7 +65,7 @@ def check(args, error):
     vocabulary may be too small for its pairs), each model at the longest set (a conv longer than
     it is refused), the memory."""
     data = mqar_data(args)
-    args.max_iters = published(args, error, data['max_iters'])
+    args.max_iters = iterations(args, error, data['max_iters'])
     check_device(args.device, 'float32')
     for L, n in data['sets']:
         zoology(data['vocab'], L, n, 1, np.random.default_rng(0))

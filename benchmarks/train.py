@@ -17,7 +17,7 @@ import sys
 import torch
 
 from benchmarks.common import (LAYOUTS, MORE, add_device, add_layouts, command, compile_options,
-                               count, flag, machine, plot, progress, published, row, table)
+                               count, flag, machine, plot, progress, iterations, row, table)
 from benchmarks.timing import take_turns
 from configurator import check_device, describe, fail, parse_value
 from model import GPT, GPTConfig
@@ -46,7 +46,7 @@ def add_extra(p):
 
 def check(args, error):
     check_extras(args, error, OWNED)
-    args.max_iters = published(args, error, 2000 if args.device == 'cpu' else 5000)
+    args.max_iters = iterations(args, error, 2000 if args.device == 'cpu' else 5000)
     check_device(args.device, 'float32')
     check_nanogpt(args, error)
     runs_train_py(args.mode)

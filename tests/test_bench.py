@@ -702,21 +702,25 @@ def test_a_readme_edited_during_the_run_is_one_line(tmp_path, monkeypatch, capsy
 
 
 @pytest.mark.parametrize('args, said', [
-    (['train', '--layouts=mha'], "--layouts=mha: --readme publishes every layout's row"),
+    (['train', '--layouts=mha'], "--layouts: --readme publishes a report at its defaults"),
     (['train', '--max_iters=3'], "--max_iters=3: --readme publishes runs of at least 2000"),
+    (['train', '--', '--n_layer=1'], "--extra: --readme publishes a report at its defaults"),
     (['mqar', '--max_iters=999'], "--max_iters=999: --readme publishes runs of at least 1000"),
+    (['mqar', '--conv_size=4'], "--conv_size: --readme publishes a report at its defaults"),
     (['convert', '--max_iters=10'], "--max_iters=10: --readme publishes runs of at least 2000"),
-    (['decode', '--layouts=mla,mha'], "--layouts=mha,mla: --readme publishes every layout's"),
-    (['cache', '--layouts=gqa'], "--layouts=gqa: --readme publishes every layout's row")])
+    (['decode', '--layouts=mla,mha'], "--layouts: --readme publishes a report at its defaults"),
+    (['cache', '--layouts=gqa'], "--layouts: --readme publishes a report at its defaults"),
+    (['cache', '--dtype=float8'], "--dtype: --readme publishes a report at its defaults")])
 def test_a_partial_run_never_rewrites_a_readme_table(tmp_path, args, said):
-    """--readme replaces a README table whole: a run of some layouts, or shorter than the
-    default, is refused before any work (it once rewrote the train table's 85 rows as 76)."""
+    """--readme replaces a README table whole: a run of some layouts, of other sizes, or shorter
+    than the default, is refused before any work (it once rewrote the train table's 85 rows as
+    76)."""
     shutil.copy(os.path.join(ROOT, 'README.md'), tmp_path)
     for folder in ('config', 'data'):  # (convert and train run train.py from here)
         os.symlink(os.path.join(ROOT, folder), tmp_path / folder)
     shutil.copy(os.path.join(ROOT, 'train.py'), tmp_path)
     before = digest(tmp_path / 'README.md')
-    r = run(os.path.join(ROOT, 'bench.py'), *args, '--readme', cwd=tmp_path)
+    r = run(os.path.join(ROOT, 'bench.py'), args[0], '--readme', *args[1:], cwd=tmp_path)
     assert said in one_line(r) and digest(tmp_path / 'README.md') == before
     assert not (tmp_path / 'results').exists()
 

@@ -126,7 +126,7 @@ ptdtype = getattr(torch, dtype)
 # 16-bit autocast on CPU too: --dtype=bfloat16 must not train float32 and log a 16-bit cache
 ctx = nullcontext() if dtype == 'float32' else torch.autocast(device_type, dtype=ptdtype)
 
-# data: uint16 token ids, prepared by rank 0 on first use; the files held open for the whole run (a
+# data: uint16 token ids, prepared by rank 0 on first use; the files held open from here on (a
 # prepare meanwhile replaces them, as another vocabulary, for the next run), a memmap per batch
 data_dir = data_dir or os.path.join(DATA, dataset)
 if ddp and not master_process:

@@ -12,9 +12,9 @@ interpreter, on a CPU).
                                normalizer)
 
 Under torch.compile the kernels are one opaque op (Dynamo cannot trace fla's launchers) whose
-backward runs fla's forward and backward again. Imports nothing of ours, and fla only where its
-kernels can run: on a CPU its import prints a "Triton is not supported" line on stderr, which
-would make every one-line error two.
+backward runs fla's forward and backward again. Imports nothing of ours, and fla only on CUDA
+(or under Triton's interpreter, for tests/test_fla.py): on a CPU its import prints a "Triton is
+not supported" line on stderr, which would make every one-line error two.
 """
 import os
 from typing import Optional
@@ -22,7 +22,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-FLA = None  # delta: (the chunked kernel, the one-token kernel), where fla is installed and can run
+FLA = None  # delta: (the chunked kernel, the one-token kernel), where fla is installed and imported
 if torch.cuda.is_available() or os.environ.get('TRITON_INTERPRET') == '1':
     try:
         from fla.ops.gated_delta_rule import (chunk_gated_delta_rule,

@@ -50,8 +50,8 @@ class Interrupts:
     def output_lost(self, reason):
         """on_closed_output's gone(): a reader gone is an interrupt; an output that cannot be
         written stops as one."""
-        self.why = reason or self.why
-        self.code = 1 if reason else self.code
+        self.why = reason or self.why  # (None: the reader went away, an interrupt)
+        self.code = 1 if reason else self.code  # an output that cannot be written: an error
         self()
 
     def stop(self):

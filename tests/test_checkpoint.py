@@ -472,7 +472,8 @@ def test_a_second_run_into_a_live_out_dir_is_refused(tmp_path, char_data):
     first.wait()
     # as a kill inside a save leaves it
     (tmp_path / 'ckpt.pt.tmp12345').write_bytes(b'half a checkpoint')
-    train(tmp_path, char_data, '--max_iters=2')  # the dead run's lock is gone
+    # the dead run's lock is gone (its log without a checkpoint: replaced only with --overwrite)
+    train(tmp_path, char_data, '--max_iters=2', '--overwrite=True')
     assert not list(tmp_path.glob('ckpt.pt.tmp*'))
 
 

@@ -80,8 +80,8 @@ def test_a_config_file_is_python_with_helpers(tmp_path, capsys):
         f.write_text(line + "\n")
         with pytest.raises(SystemExit):
             configure(DEFAULTS, [str(f)])
-        said = f"error: unknown config key {name!r} in {f} (a helper of the file: name it _{name})\n"
-        assert capsys.readouterr().err == said
+        said = f"unknown config key {name!r} in {f} (a helper of the file: name it _{name})"
+        assert capsys.readouterr().err == f"error: {said}\n"
 
 
 LAYOUTS = "('mha', 'gqa', 'mqa', 'mla', 'linear', 'retnet', 'mamba2', 'deltanet', 'gated_deltanet')"

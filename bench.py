@@ -61,8 +61,9 @@ def parse(argv):
     defaults = vars(p.parse_known_args([args.mode])[0])
     changed = [k for k, v in vars(args).items() if k not in PUBLISHABLE and v != defaults[k]]
     if args.readme and changed:
-        error(f"--{changed[0]}: --readme publishes a report at its defaults (every layout, the "
-              f"README's sizes); a run with --{changed[0]} writes to --out")
+        flag = "train.py's keys after --" if changed[0] == 'extra' else f"--{changed[0]}"
+        error(f"{flag}: --readme publishes a report at its defaults (every layout, the README's "
+              f"sizes); a run with {flag} writes to --out")
     return args, error
 
 

@@ -704,7 +704,7 @@ def test_a_readme_edited_during_the_run_is_one_line(tmp_path, monkeypatch, capsy
 @pytest.mark.parametrize('args, said', [
     (['train', '--layouts=mha'], "--layouts: --readme publishes a report at its defaults"),
     (['train', '--max_iters=3'], "--max_iters=3: --readme publishes runs of at least 2000"),
-    (['train', '--', '--n_layer=1'], "--extra: --readme publishes a report at its defaults"),
+    (['train', '--', '--n_layer=1'], "train.py's keys after --: --readme publishes a report"),
     (['mqar', '--max_iters=999'], "--max_iters=999: --readme publishes runs of at least 1000"),
     (['mqar', '--conv_size=4'], "--conv_size: --readme publishes a report at its defaults"),
     (['convert', '--max_iters=10'], "--max_iters=10: --readme publishes runs of at least 2000"),

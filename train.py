@@ -38,8 +38,8 @@ from run.convert import conversion
 from run.ddp import any_rank, join, leave
 from run.interrupts import memory_errors_in_one_line, on_closed_output
 from run.optim import adamw, cosine_lr
-from run.settings import (check_settings, check_training_memory, remake as remake_hint, summary,
-                          switch_layouts)
+from run.settings import (check_settings, check_training_memory, remake as remake_hint, settle,
+                          summary)
 from run.wandb_run import WandB
 
 # -----------------------------------------------------------------------------
@@ -92,9 +92,7 @@ memory_errors_in_one_line()
 on_closed_output(interrupts.output_lost)
 given = {}  # the keys a config file or flag set: what set each last
 config = configure(defaults(globals()), sys.argv[1:], __file__, given)
-if config['out_dir']:  # A/../B is B: makedirs would make an A too ('': refused as not writable)
-    config['out_dir'] = os.path.normpath(config['out_dir'])
-switch_layouts(config, given)  # config/gqa.py --attn=mla: GQA's n_kv_head=2 dropped
+settle(config, given)  # out_dir A/../B is B; config/gqa.py --attn=mla drops GQA's n_kv_head=2
 if 'compile' not in given and not device.startswith('cuda'):  # compiling on a CPU takes minutes
     config['compile'] = False
 globals().update(config)

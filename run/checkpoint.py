@@ -291,9 +291,9 @@ def remove_run(out_dir):
 def earlier_run(out_dir):
     """What a new run would replace of an earlier one in out_dir, in one line ('' if nothing): its
     checkpoint, or the log of a run that saved none (diverged, killed, max_iters=0)."""
-    log = os.path.join(out_dir, 'metrics.jsonl')
-    if checkpoints(out_dir):
-        return (f"{checkpoints(out_dir)[0]} exists: continue that run with --init_from=resume, "
+    log, saved = os.path.join(out_dir, 'metrics.jsonl'), checkpoints(out_dir)
+    if saved:
+        return (f"{saved[0]} exists: continue that run with --init_from=resume, "
                 "replace it with --overwrite=True, or pass another --out_dir")
     if os.path.isfile(log) and os.path.getsize(log):
         return (f"{log} holds an earlier run's log (it saved no checkpoint): replace it with "

@@ -1,7 +1,8 @@
 """
 train.py's settings, checked before any work: each wrong one is one line on stderr and exit 2.
 
-    switch_layouts(config, given)                 a layout switch drops what a file set for another
+    settle(config, given)                         out_dir normalised; a layout switch drops what a
+                                                  file set for another layout
     check_settings(config, previous, data_root)   the model's fields, then each rule below, in order
     check_training_memory(gptconf, batch_size, dtype, device)
     summary(gptconf, ...)                          the model the settings made, in one line
@@ -40,6 +41,14 @@ RANGES = (
     ('beta2', lambda v, c: 0 <= v < 1, 'in [0, 1)'),
     ('seed', lambda v, c: 0 <= v < 2 ** 62, 'in [0, 2**62)'),
 )
+
+
+def settle(config, given):
+    """The settings as meant, once all are given: out_dir normalised (A/../B is B: makedirs would
+    make an A too; '' stays, refused as not writable), then switch_layouts."""
+    if config['out_dir']:
+        config['out_dir'] = os.path.normpath(config['out_dir'])
+    switch_layouts(config, given)
 
 
 def switch_layouts(config, given):

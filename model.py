@@ -2,10 +2,12 @@
 One causal Transformer (nanoGPT's GPT) whose attention block is picked by config: MHA, GQA, MQA
 (softmax attention with n_kv_head K/V heads), MLA (DeepSeek-V2) and the linear-attention family (a
 fixed state rewritten every token: Katharopoulos, RetNet, Mamba-2, DeltaNet, Gated DeltaNet), or a
-per-layer mix of them ('hybrid'). Training / prefill feeds L = S = T tokens under a causal mask;
-decode feeds L = 1 token that attends to S = T + 1 keys. k_j, v_j depend only on tokens <= j, so
-each layout caches them (or a state); q is not cached. This file is the switch (LAYOUTS names each
-layout's class); the maths is in ops/ (softmax.py, mla.py, linear.py, cache.py, sampling.py).
+per-layer mix of them ('hybrid'); a softmax layer may be windowed (a query sees its W most recent
+keys, and the first n_sink: Mistral, Gemma, gpt-oss, StreamingLLM). Training / prefill feeds
+L = S = T tokens under a causal mask; decode feeds L = 1 token that attends to S = T + 1 keys.
+k_j, v_j depend only on tokens <= j, so each layout caches them (or a state); q is not cached.
+This file is the switch (LAYOUTS names each layout's class); the maths is in ops/ (softmax.py,
+mla.py, linear.py, window.py, cache.py, sampling.py).
 """
 
 import math
@@ -21,6 +23,7 @@ from ops.linear_fla import fla_runs, linear_fla
 from ops.mla import attend_absorbed, attend_materialized
 from ops.sampling import stream
 from ops.softmax import apply_rope, attend, rope_table
+from ops.window import band
 
 # The linear layouts, the founding chapter's table: each keeps a fixed state S per head and rewrites
 # it every token,
@@ -51,7 +54,8 @@ LAYER_FIELDS = {'n_kv_head': 0, 'kv_lora_rank': 0, 'rope_head_dim': 0, 'q_lora_r
 FIELD_RULES = [  # GPTConfig's rules of one field, checked after the types: (fields, rule, message)
     (('block_size', 'vocab_size', 'n_layer', 'n_head', 'n_embd', 'chunk_size', 'conv_size'), lambda n: n >= 1,
      "must be >= 1"),
-    (('n_kv_head', 'kv_lora_rank', 'rope_head_dim', 'q_lora_rank'), lambda n: n >= 0, "must be >= 0"),
+    (('n_kv_head', 'kv_lora_rank', 'rope_head_dim', 'q_lora_rank', 'window', 'n_sink'), lambda n: n >= 0,
+     "must be >= 0"),
     (('dropout',), lambda p: 0 <= p < 1, "must be in [0, 1)"),
     (('rope_base',), lambda b: 0 < b < math.inf, "must be a finite number > 0"),
     (('pos_emb',), lambda s: s in ('rope', 'learned'), "must be 'rope' or 'learned'"),
@@ -69,7 +73,10 @@ class GPTConfig:
     dropout: float = 0.0
     bias: bool = False         # bias in Linears and LayerNorms, like GPT-2
     gelu_tanh: bool = False    # the MLP's GELU by its tanh approximation (GPT-2's 'gelu_new')
-    attn: str = 'mha'          # a layout, or a hybrid 'gated_deltanet*3+gqa': per layer, repeated
+    attn: str = 'mha'          # a layout, or a hybrid 'gated_deltanet*3+gqa': per layer, repeated;
+                               # 'gqa@512*5+gqa': a layer's own window (Gemma 3's 5 local : 1 global)
+    window: int = 0            # every softmax layer sees its `window` most recent keys, itself included
+    n_sink: int = 0            # windowed layers also see the first n_sink keys (StreamingLLM's sinks)
     n_kv_head: int = 0         # K/V heads; 0 = mha n_head, gqa n_head's smallest divisor > 1, mqa 1
     pos_emb: str = 'rope'      # 'rope', or nanoGPT's 'learned' absolute positions
     rope_base: float = 10000.0  # RoPE's base θ: pair i turns at θ^(-2i/d) per position
@@ -97,6 +104,7 @@ class GPTConfig:
             self.bad('attn', "mixes softmax layouts: a hybrid pairs linear layouts with one softmax layout")
         for layout in sorted(layouts):  # each layout's rules, and the defaults of its fields
             LAYOUTS[layout].configure(self, layout)
+        self.check_windows()
         # the fields no layer uses keep their defaults (or what an older train.py filled in)
         used = self.layer_fields()
         old = dict(n_kv_head=self.n_head, **MultiHeadLatentAttention.sizes(self))
@@ -111,26 +119,72 @@ class GPTConfig:
     def bad(self, field, rule):
         raise ValueError(f"GPTConfig.{field}={getattr(self, field)!r} is invalid: {rule}")
 
-    def pattern(self):
-        """'gated_deltanet*3+gqa' -> ['gated_deltanet'] * 3 + ['gqa']: one period of the layers."""
+    def period(self):
+        """'gqa@64*2+gqa' -> [('gqa', 64), ('gqa', 64), ('gqa', 0)]: one period of the layers, each
+        layout with its window (its '@W', else `window` for a softmax layer; 0: full or linear)."""
         parts = [(p, *p.partition('*')[::2]) for p in self.attn.split('+')]
-        count = lambda n: not n or n.isascii() and n.isdigit() and int(n) > 0  # >= 1, or none
-        wrong = [p for p, name, n in parts if name not in LAYOUTS or not count(n)]
-        if wrong:
-            self.bad('attn', f"must be one of {tuple(LAYOUTS)}, or a hybrid of them like 'gated_deltanet*3+gqa'"
-                     + (f"; not {wrong[0]!r}" if len(parts) > 1 else ''))
-        if (length := sum(int(n or 1) for _, _, n in parts)) > self.n_layer:
+        whole = lambda n: n.isascii() and n.isdigit() and int(n) > 0  # >= 1
+        layers = []
+        for part, layer, n in parts:
+            name, at, w = layer.partition('@')
+            if name not in LAYOUTS or n and not whole(n) or at and not whole(w):
+                self.bad('attn', f"must be one of {tuple(LAYOUTS)}, or a hybrid of them like "
+                         "'gated_deltanet*3+gqa'; a layer's own window of W >= 1 keys: 'gqa@64'"
+                         + (f"; not {part!r}" if len(parts) > 1 else ''))
+            if at and name in LINEAR_RULES:
+                self.bad('attn', f"{part!r}: a window is for softmax layers ({name} keeps a fixed "
+                         "state)")
+            layers.append((name, int(w) if at else self.window * (name not in LINEAR_RULES), int(n or 1)))
+        if (length := sum(n for *_, n in layers)) > self.n_layer:
             self.bad('attn', f"has {length} layers, more than n_layer={self.n_layer}")
-        return [name for _, name, n in parts for _ in range(int(n or 1))]
+        return [(name, window) for name, window, n in layers for _ in range(n)]
+
+    def pattern(self):
+        """'gated_deltanet*3+gqa' -> ['gated_deltanet'] * 3 + ['gqa']: one period's layouts."""
+        return [name for name, _ in self.period()]
 
     @property
     def layouts(self):  # each layer's: the pattern repeated (Qwen3-Next's 3:1 on 6 layers: 3, 1, 2)
         pattern = self.pattern()
         return [pattern[i % len(pattern)] for i in range(self.n_layer)]
 
-    def layer_counts(self):  # {layout: its layers}, counted, not listed (n_layer may be huge)
-        p, (full, rest) = self.pattern(), divmod(self.n_layer, len(self.pattern()))
+    @property
+    def windows(self):  # each layer's window (0: full attention, or a linear layer)
+        period = [w for _, w in self.period()]
+        return [period[i % len(period)] for i in range(self.n_layer)]
+
+    def layer_counts(self, windows=False):
+        """{layout: its layers} (windows=True: {(layout, window): ...}), counted, not listed
+        (n_layer may be huge)."""
+        p = self.period() if windows else self.pattern()
+        full, rest = divmod(self.n_layer, len(p))
         return {a: full * p.count(a) + p[:rest].count(a) for a in dict.fromkeys(p)}
+
+    def check_windows(self):
+        """window and '@W': two ways to say it, never both; sinks need a window; a window under
+        block_size - n_sink (else it cuts no pair of a training sequence)."""
+        windows = {w for _, w in self.period() if w}
+        if self.window and '@' in self.attn:
+            self.bad('window', f"give one: window= windows every softmax layer, attn={self.attn!r} "
+                     "windows its own")
+        if self.window and not self.softmax:
+            self.bad('window', f"attn={self.attn!r} has no softmax layer to window (a linear layer "
+                     "keeps a fixed state)")
+        if self.n_sink and not windows:
+            self.bad('n_sink', "sinks are the first keys a windowed layer keeps seeing: give a "
+                     "window (window=W, or attn's '@W')")
+        if windows and max(windows) + self.n_sink >= self.block_size:
+            sinks = f" and {self.n_sink} sinks" * bool(self.n_sink)
+            self.bad('window' if self.window else 'attn', f"{max(windows)} keys{sinks} see all of a "
+                     f"block_size={self.block_size} sequence: a window must be < block_size - n_sink "
+                     "(full attention: none)")
+
+    @property
+    def endless(self):
+        """Generation never starts over at block_size: every softmax layer is windowed (its cache
+        stops growing) and RoPE depends only on the distance, which a window keeps < block_size."""
+        softmax = [w for a, w in self.period() if a not in LINEAR_RULES]
+        return self.pos_emb == 'rope' and bool(softmax) and all(softmax)
 
     @property
     def softmax(self):  # the softmax layout of the stack, or None if every layer is linear
@@ -146,30 +200,42 @@ class GPTConfig:
     def used_fields(self):
         """The fields this stack's layers use (the others keep their defaults, never read)."""
         used = self.layer_fields() | ({'rope_base'} if self.pos_emb == 'rope' and self.softmax else set())
-        per_layout = {*LAYER_FIELDS, 'chunk_size', 'linear_kernels', 'rope_base'}
+        used |= {'window'} if self.softmax else set()
+        used |= {'n_sink'} if any(w for _, w in self.period()) else set()
+        per_layout = {*LAYER_FIELDS, 'chunk_size', 'linear_kernels', 'rope_base', 'window', 'n_sink'}
         return [f.name for f in fields(self) if f.name not in per_layout - used]
 
-    def cache_elements(self, T, layout=None):
-        """Elements cached after T tokens (batch 1), all layers' or one layout's: the README's table."""
+    def cache_elements(self, T, layout=None, window=0):
+        """Elements cached after T tokens (batch 1), all layers' or one layer's: the README's table."""
         if layout is None:
-            return sum(n * self.cache_elements(T, a) for a, n in self.layer_counts().items())
-        return LAYOUTS[layout].cache_elements(self, layout, T)
+            return sum(n * self.cache_elements(T, *a) for a, n in self.layer_counts(windows=True).items())
+        return LAYOUTS[layout].cache_elements(self, layout, T, window)
 
     def cache_bytes(self, T, dtype=torch.float32):  # a linear layout's state: float32 at least
         state = max(dtype.itemsize, torch.float32.itemsize)
         itemsize = lambda a: state if a in LINEAR_RULES else dtype.itemsize
-        return sum(n * self.cache_elements(T, a) * itemsize(a) for a, n in self.layer_counts().items())
+        return sum(n * self.cache_elements(T, a, w) * itemsize(a)
+                   for (a, w), n in self.layer_counts(windows=True).items())
 
 # --- The layouts: forward(x, rope, pos, cache) and init_cache(batch, capacity, dtype, device) ---
 
 class Attention(nn.Module):
     """What the layouts share: heads() splits heads, out() merges them via c_proj (built last: the
-    init's order)."""
+    init's order); a softmax layer's window (0: none) and sinks, band() and slots()."""
 
-    def __init__(self, config):
+    def __init__(self, config, window=0):
         super().__init__()
         self.config, self.n_head, self.head_dim = config, config.n_head, config.head_dim
         self.dropout, self.resid_dropout = config.dropout, nn.Dropout(config.dropout)
+        self.window, self.n_sink = window, config.n_sink if window else 0
+
+    def band(self, L, device):
+        """The mask of L tokens at 0..L-1 without a cache: None (causal), or the window's band."""
+        positions = torch.arange(L, device=device)
+        return band(positions, positions, self.window, self.n_sink) if self.window else None
+
+    def slots(self, capacity):  # a cache's positions: a windowed layer's ring, else capacity
+        return self.n_sink + self.window if self.window else capacity
 
     @property
     def dropout_p(self):  # attention's dropout, in training only
@@ -201,11 +267,12 @@ class CausalSelfAttention(Attention):
         return ('n_kv_head',)
 
     @staticmethod
-    def cache_elements(c, layout, T):  # K and V of the n_kv_head heads
+    def cache_elements(c, layout, T, window=0):  # K and V of the n_kv_head heads (a window's last)
+        T = min(T, c.n_sink + window) if window else T
         return kv_elements(T, c.n_kv_head, c.head_dim, c.head_dim)
 
-    def __init__(self, config, layout=None):
-        super().__init__(config)
+    def __init__(self, config, layout=None, window=0):
+        super().__init__(config, window)
         self.n_kv_head = config.n_kv_head
         qkv = (self.n_head + 2 * self.n_kv_head) * self.head_dim
         self.c_attn = nn.Linear(config.n_embd, qkv, bias=config.bias)
@@ -216,12 +283,15 @@ class CausalSelfAttention(Attention):
         qkv = self.heads(self.c_attn(x), H + 2 * H_kv)  # (B, nh + 2 n_kv, L, hs): q, k, v
         qk = apply_rope(qkv[:, :H + H_kv], rope)        # queries and keys rotated in one call
         q, k, v = qk[:, :H], qk[:, H:], qkv[:, H + H_kv:]
-        k, v, mask = (k, v, None) if cache is None else cache.update(pos, k, v)  # (B, n_kv, S, hs)
+        if cache is None:  # causal, or the window's band
+            mask = self.band(x.size(1), x.device)
+        else:
+            k, v, mask = cache.update(pos, k, v)  # (B, n_kv, S, hs): every key the mask covers
         return self.out(attend(q, k, v, dropout_p=self.dropout_p, mask=mask))  # (B, nh, L, hs)
 
     def init_cache(self, batch_size, capacity, dtype, device):
-        shape = (batch_size, self.n_kv_head, capacity, self.head_dim)
-        return LayerCache(dtype, device, k=shape, v=shape)
+        shape = (batch_size, self.n_kv_head, self.slots(capacity), self.head_dim)
+        return LayerCache(dtype, device, window=self.window, n_sink=self.n_sink, k=shape, v=shape)
 
 class LinearAttention(Attention):
     """The linear layouts: no softmax, no RoPE; the cache is a float32 state per head, S (d_k, d_v).
@@ -240,12 +310,12 @@ class LinearAttention(Attention):
         return ('chunk_size', 'linear_kernels') + ('conv_size',) * (layout != 'linear')
 
     @staticmethod
-    def cache_elements(c, layout, T):  # a state per head, + z (a column of S) or the conv's inputs
+    def cache_elements(c, layout, T, window=0):  # a state per head, + z (S's column) or the conv's
         if layout == 'linear':
             return state_elements(c.n_head, c.head_dim, c.head_dim + 1)
         return state_elements(c.n_head, c.head_dim, c.head_dim, 3 * c.n_embd, c.conv_size)
 
-    def __init__(self, config, layout):
+    def __init__(self, config, layout, window=0):
         super().__init__(config)
         (self.forget, self.delta), self.normalizer = LINEAR_RULES[layout], layout == 'linear'
         C, H = config.n_embd, self.n_head
@@ -329,11 +399,11 @@ class MultiHeadLatentAttention(Attention):
         return ('kv_lora_rank', 'rope_head_dim', 'q_lora_rank')
 
     @staticmethod
-    def cache_elements(c, layout, T):  # [c | k_R], shared by every head
-        return latent_elements(T, c.kv_lora_rank, c.rope_head_dim)
+    def cache_elements(c, layout, T, window=0):  # [c | k_R], shared by every head (a window's last)
+        return latent_elements(min(T, c.n_sink + window) if window else T, c.kv_lora_rank, c.rope_head_dim)
 
-    def __init__(self, config, layout=None):
-        super().__init__(config)
+    def __init__(self, config, layout=None, window=0):
+        super().__init__(config, window)
         H, self.dh, self.dR, self.dc = config.n_head, config.head_dim, config.rope_head_dim, config.kv_lora_rank
         C, q_out, bias = config.n_embd, H * (self.dh + self.dR), config.bias  # q: [nope | rope]
         r = config.q_lora_rank  # q through a normed low-rank bottleneck (W_DQ, W_UQ) too, or not
@@ -355,12 +425,14 @@ class MultiHeadLatentAttention(Attention):
         latent = torch.cat([self.kv_norm(c), apply_rope(k_rope, rope)], dim=-1)  # (B, 1, L, dc+dR)
         k_up, v_up, scale, dropout_p = self.k_up, self.v_up, self.scale, self.dropout_p
         if cache is None:  # training, and uncached generation: K and V formed per head
-            return self.out(attend_materialized(q, latent, k_up, v_up, scale, dropout_p))
-        latent, mask = cache.update(pos, latent)  # (B, 1, S, dc + dR): every latent so far
+            mask = self.band(x.size(1), x.device)
+            return self.out(attend_materialized(q, latent, k_up, v_up, scale, dropout_p, mask))
+        latent, mask = cache.update(pos, latent)  # (B, 1, S, dc + dR): every latent the mask covers
         return self.out(attend_absorbed(q, latent, k_up, v_up, scale, dropout_p, mask))
 
     def init_cache(self, batch_size, capacity, dtype, device):
-        return LayerCache(dtype, device, latent=(batch_size, 1, capacity, self.dc + self.dR))
+        latent = (batch_size, 1, self.slots(capacity), self.dc + self.dR)
+        return LayerCache(dtype, device, window=self.window, n_sink=self.n_sink, latent=latent)
 
 # Every layout, and its class: configure(config, layout) checks a config and fills in the layout's
 # defaults, uses() names its fields, cache_elements() counts its cache. Adding a layout adds its
@@ -398,10 +470,10 @@ class MLP(nn.Module):
 
 class Block(nn.Module):
 
-    def __init__(self, config, layout):
+    def __init__(self, config, layout, window=0):
         super().__init__()
         self.ln_1 = nn.LayerNorm(config.n_embd, bias=config.bias)
-        self.attn = LAYOUTS[layout](config, layout)
+        self.attn = LAYOUTS[layout](config, layout, window)
         self.ln_2 = nn.LayerNorm(config.n_embd, bias=config.bias)
         self.mlp = MLP(config)
 
@@ -418,7 +490,7 @@ class GPT(nn.Module):
         self.transformer = nn.ModuleDict(dict(
             wte=nn.Embedding(config.vocab_size, config.n_embd),
             drop=nn.Dropout(config.dropout),
-            h=nn.ModuleList([Block(config, layout) for layout in config.layouts]),
+            h=nn.ModuleList([Block(config, *layer) for layer in zip(config.layouts, config.windows)]),
             ln_f=nn.LayerNorm(config.n_embd, bias=config.bias),
         ))
         if config.pos_emb == 'learned':
@@ -450,9 +522,10 @@ class GPT(nn.Module):
         return rope_table(self.rope_dim, positions, self.config.rope_base) if self.rope_dim else None
 
     def init_cache(self, batch_size, dtype=None, device=None, static=False):
-        """An empty cache for batch_size sequences of up to block_size tokens. static=True: fixed
-        shapes for torch.compile / CUDA graphs; its position is never read on the host, so
-        block_size is the caller's to keep."""
+        """An empty cache for batch_size sequences of up to block_size tokens (of any length if every
+        softmax layer is windowed: config.endless). static=True: fixed shapes for torch.compile /
+        CUDA graphs; its position is never read on the host, so block_size is the caller's to
+        keep."""
         p = self.lm_head.weight
         return Cache([block.attn.init_cache(batch_size, self.config.block_size, dtype or p.dtype, device or p.device)
                       for block in self.transformer.h], static)
@@ -461,7 +534,8 @@ class GPT(nn.Module):
         """idx (B, L): tokens at 0..L-1, or with a cache the L after the len(cache) it holds."""
         B, L = idx.size()
         pos = cache.pos if cache is not None else 0  # a static cache's is a tensor, never read here
-        if L == 0 or (not torch.is_tensor(pos) and pos + L > self.config.block_size):  # (0: no input)
+        too_long = not torch.is_tensor(pos) and pos + L > self.config.block_size and not self.config.endless
+        if L == 0 or too_long:  # (0: no input)
             raise ValueError(f"cannot feed {L} tokens at position {pos}: block_size is {self.config.block_size}")
         positions = torch.arange(L, device=idx.device) + pos  # (L,)
         x = self.transformer.wte(idx)  # (B, L, n_embd)

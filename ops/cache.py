@@ -10,32 +10,44 @@ GPT.forward() fills it.
     cache = model.init_cache(batch_size, static=True)
 
 Each layer's LayerCache holds its buffers by name: k and v, MLA's latent, or a linear layout's state
-(and conv, its short conv's last inputs); a hybrid mixes them. With static=True the position is a
-device tensor, writes go through index_copy_ and every step attends over the whole buffer under a
-mask of the filled blocks (FlexAttention): one compiled graph serves every step, reading the filled.
+(and conv, its short conv's last inputs); a hybrid mixes them. A windowed layer's k and v (or
+latent) are a ring of n_sink + W slots (ops/window.py draws it): its cache stops growing at the
+window, and generation may run past block_size. With static=True the position is a device tensor,
+writes go through index_copy_ and every step attends over the whole buffer under a mask of the
+filled blocks (FlexAttention): one compiled graph serves every step, reading the filled.
 """
 import torch
 
 from ops.softmax import filled
+from ops.window import band, ring_block_mask, slot, survivors
 
 
 class LayerCache:
     """One layer's buffers, by name (layer.k, or layer.buffers['k']): k and v (B, n_kv, T, hs);
     MLA's latent [c | k_R] (B, 1, T, d_c + d_R); or a linear layout's state (B, nh, d_k, d_v) and
     conv (B, K - 1, 3 n_embd). Buffers that grow along time (dim 2) are written by update(); a
-    state is rewritten by its layer."""
+    state is rewritten by its layer. window > 0: the time buffers are a ring of n_sink + window
+    slots, and positions holds each slot's position (-1: empty)."""
 
-    def __init__(self, dtype, device, grows=True, **shapes):
+    def __init__(self, dtype, device, grows=True, window=0, n_sink=0, **shapes):
         self.buffers = {name: torch.zeros(shape, dtype=dtype, device=device)
                         for name, shape in shapes.items()}
         self.__dict__.update(self.buffers)  # each by its name too
-        self.grows, self.device = grows, device
+        self.grows, self.device, self.window, self.n_sink = grows, device, window, n_sink
+        slots = next(iter(shapes.values()))[2]
+        self.positions = torch.full((slots,), -1, device=device) if window else None
+
+    @property
+    def tensors(self):  # every tensor it holds, the ring's positions too
+        return list(self.buffers.values()) + [self.positions] * (self.positions is not None)
 
     def update(self, pos, *xs):
         """Write xs (B, heads, L, dim), one per buffer in order, at [pos, pos + L); return the
         buffers to attend to and their mask: an int pos gives the filled part (mask None: causal),
-        a tensor pos the whole buffers and a BlockMask of the filled part."""
+        a tensor pos the whole buffers and a BlockMask of the filled part. A ring: ring()."""
         L, bufs = xs[0].size(2), list(self.buffers.values())
+        if self.window:
+            return self.ring(pos, xs)
         if not torch.is_tensor(pos):
             for buf, x in zip(bufs, xs):
                 buf[:, :, pos:pos + L] = x
@@ -45,15 +57,47 @@ class LayerCache:
             buf.index_copy_(2, positions, x)
         return *bufs, filled(pos, L, bufs[0].size(2))
 
+    def ring(self, pos, xs):
+        """A windowed layer's update: the keys to attend to and their mask (a BlockMask where pos
+        is a tensor), from the slots' positions. One new key is written first (the key it replaces
+        is W positions back: no query from here on sees it); a chunk attends over the slots and
+        its own keys side by side, and is written after."""
+        L = xs[0].size(2)
+        q_pos = pos + torch.arange(L, device=self.positions.device)  # (L,)
+        if L == 1:
+            self.write(pos, q_pos, xs)
+            keys, k_pos = list(self.buffers.values()), self.positions
+        else:
+            keys = [torch.cat([buf, x], dim=2) for buf, x in zip(self.buffers.values(), xs)]
+            k_pos = torch.cat([self.positions, q_pos])
+            self.write(pos, q_pos, xs)
+        if torch.is_tensor(pos):  # (the mask computes the positions from pos)
+            S = keys[0].size(2)
+            return *keys, ring_block_mask(pos, L, self.positions, S, self.window, self.n_sink)
+        return *keys, band(q_pos, k_pos, self.window, self.n_sink)
+
+    def write(self, pos, q_pos, xs):
+        """xs's keys into their slots: those that survive the chunk at once (each its own slot),
+        or, where which survive is known only on the device, one by one in order."""
+        keep = survivors(pos, len(q_pos), self.window, self.n_sink)
+        for idx in [keep] if keep is not None else [[i] for i in range(len(q_pos))]:
+            slots = slot(q_pos[idx], self.window, self.n_sink)
+            for buf, x in zip(self.buffers.values(), xs):
+                buf.index_copy_(2, slots, x[:, :, idx])
+            self.positions.index_copy_(0, slots, q_pos[idx])
+
     def nbytes(self, n):
-        """The bytes of the first n positions (all of a state)."""
+        """The bytes of the first n positions (all of a state; a ring's filled slots)."""
         return sum((b[:, :, :n] if self.grows else b).nbytes for b in self.buffers.values())
 
     def reset(self):
-        """Only a state is zeroed: K/V past the position are sliced off or masked."""
+        """Only a state is zeroed, and a ring's positions emptied: K/V past the position are
+        sliced off or masked."""
         if not self.grows:
             for b in self.buffers.values():
                 b.zero_()
+        if self.window:
+            self.positions.fill_(-1)
 
 class Cache:
     """Every layer's cache, and the position GPT.forward advances: an int, or (static=True) a
@@ -64,7 +108,7 @@ class Cache:
         self.pos = torch.zeros((), dtype=torch.long, device=layers[0].device) if static else 0
         # CUDA graph replays write into these in place: their addresses must never change
         if static:
-            for t in [self.pos] + [b for layer in layers for b in layer.buffers.values()]:
+            for t in [self.pos] + [t for layer in layers for t in layer.tensors]:
                 torch._dynamo.mark_static_address(t)
 
     def __len__(self):

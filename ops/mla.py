@@ -17,14 +17,14 @@ import torch
 from ops.softmax import attend
 
 
-def attend_materialized(q, latent, k_up, v_up, scale, dropout_p=0.0):
-    """latent (B, 1, L, d_c + d_R): these L tokens'; causal."""
+def attend_materialized(q, latent, k_up, v_up, scale, dropout_p=0.0, mask=None):
+    """latent (B, 1, L, d_c + d_R): these L tokens'; causal, or under mask (a window's band)."""
     (B, H, L, _), dc = q.shape, k_up.in_features
     heads = lambda x: x.view(B, L, H, x.size(-1) // H).transpose(1, 2)  # (not -1: B may be 0)
     c, k_rope = latent[:, 0, :, :dc], latent[..., dc:]                   # (B, L, dc), (B, 1, L, dR)
     k = torch.cat([heads(k_up(c)), k_rope.expand(-1, H, -1, -1)], dim=-1)  # (B, nh, L, dh + dR)
     v = heads(v_up(c))                                                   # (B, nh, L, dh)
-    return attend(q, k, v, scale, dropout_p)
+    return attend(q, k, v, scale, dropout_p, mask)
 
 def attend_absorbed(q, latent, k_up, v_up, scale, dropout_p=0.0, mask=None):
     """latent (B, 1, S, d_c + d_R): the cache's; mask as attend's (None: causal)."""

@@ -52,8 +52,8 @@ def filled(pos, L, S, block=128):
 
 def attend(q, k, v, scale=None, dropout_p=0.0, mask=None):
     """softmax(q kᵀ * scale + mask) v. q (B, nh, L, d), k (B, n_kv, S, d), v (B, n_kv, S, dv);
-    n_kv divides nh (groups share a K/V head). mask (L, S), True = seen; None = causal with the L
-    queries the LAST L of the S keys; or a static cache's BlockMask (filled())."""
+    n_kv divides nh (groups share a K/V head). mask (L, S), True = seen (a window's band: ops/window.py);
+    None = causal with the L queries the LAST L of the S keys; or a static cache's BlockMask."""
     (B, H, L, D), (H_kv, S) = q.shape, k.shape[1:3]
     gqa = H != H_kv
     # split-KV over the filled blocks; compiled, one fused kernel (eager: a reference)
@@ -65,7 +65,7 @@ def attend(q, k, v, scale=None, dropout_p=0.0, mask=None):
                                               scale=scale, enable_gqa=gqa)
     if mask is None and L > 1:  # query i sees keys <= S - L + i
         mask = torch.ones(L, S, dtype=torch.bool, device=q.device).tril(S - L)
-    # decode: a group's G query heads become G queries of its one K/V head
+    # a chunk, or a mask given; decode: a group's G query heads become G queries of its K/V head
     G = H // H_kv if L == 1 else 1
     with sdpa_kernel(DECODE_BACKENDS):
         y = F.scaled_dot_product_attention(q.reshape(B, H // G, G * L, D), k, v, attn_mask=mask,

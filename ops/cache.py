@@ -19,7 +19,7 @@ filled blocks (FlexAttention): one compiled graph serves every step, reading the
 import torch
 
 from ops.softmax import filled
-from ops.window import band, ring_block_mask, slot, survivors
+from ops.window import band, held, ring_block_mask, slot, survivors
 
 
 class LayerCache:
@@ -27,19 +27,13 @@ class LayerCache:
     MLA's latent [c | k_R] (B, 1, T, d_c + d_R); or a linear layout's state (B, nh, d_k, d_v) and
     conv (B, K - 1, 3 n_embd). Buffers that grow along time (dim 2) are written by update(); a
     state is rewritten by its layer. window > 0: the time buffers are a ring of n_sink + window
-    slots, and positions holds each slot's position (-1: empty)."""
+    slots (ops/window.py)."""
 
     def __init__(self, dtype, device, grows=True, window=0, n_sink=0, **shapes):
         self.buffers = {name: torch.zeros(shape, dtype=dtype, device=device)
                         for name, shape in shapes.items()}
         self.__dict__.update(self.buffers)  # each by its name too
         self.grows, self.device, self.window, self.n_sink = grows, device, window, n_sink
-        slots = next(iter(shapes.values()))[2]
-        self.positions = torch.full((slots,), -1, device=device) if window else None
-
-    @property
-    def tensors(self):  # every tensor it holds, the ring's positions too
-        return list(self.buffers.values()) + [self.positions] * (self.positions is not None)
 
     def update(self, pos, *xs):
         """Write xs (B, heads, L, dim), one per buffer in order, at [pos, pos + L); return the
@@ -58,46 +52,41 @@ class LayerCache:
         return *bufs, filled(pos, L, bufs[0].size(2))
 
     def ring(self, pos, xs):
-        """A windowed layer's update: the keys to attend to and their mask (a BlockMask where pos
-        is a tensor), from the slots' positions. One new key is written first (the key it replaces
-        is W positions back: no query from here on sees it); a chunk attends over the slots and
-        its own keys side by side, and is written after."""
-        L = xs[0].size(2)
-        q_pos = pos + torch.arange(L, device=self.positions.device)  # (L,)
-        if L == 1:
-            self.write(pos, q_pos, xs)
-            keys, k_pos = list(self.buffers.values()), self.positions
-        else:
-            keys = [torch.cat([buf, x], dim=2) for buf, x in zip(self.buffers.values(), xs)]
-            k_pos = torch.cat([self.positions, q_pos])
-            self.write(pos, q_pos, xs)
-        if torch.is_tensor(pos):  # (the mask computes the positions from pos)
-            S = keys[0].size(2)
-            return *keys, ring_block_mask(pos, L, self.positions, S, self.window, self.n_sink)
-        return *keys, band(q_pos, k_pos, self.window, self.n_sink)
+        """A windowed layer's update: the keys to attend to and their mask (pos a tensor: a
+        BlockMask), from the positions the slots hold. One new key is written first (the key it
+        replaces is W positions back: no query from here on sees it); a chunk attends over the
+        slots and its own keys side by side, and is written after."""
+        L, keys = xs[0].size(2), list(self.buffers.values())
+        R, W, n_sink = keys[0].size(2), self.window, self.n_sink
+        if L > 1:
+            keys = [torch.cat([buf, x], dim=2) for buf, x in zip(keys, xs)]  # (copies)
+        self.write(pos, xs)
+        if torch.is_tensor(pos):
+            return *keys, ring_block_mask(pos, L, R, keys[0].size(2), W, n_sink)
+        q_pos, slots = (torch.arange(a, b, device=self.device) for a, b in ((pos, pos + L), (0, R)))
+        k_pos = held(pos + 1, slots, W, n_sink) if L == 1 else torch.cat([held(pos, slots, W, n_sink), q_pos])
+        return *keys, band(q_pos, k_pos, W, n_sink)
 
-    def write(self, pos, q_pos, xs):
-        """xs's keys into their slots: those that survive the chunk at once (each its own slot),
-        or, where which survive is known only on the device, one by one in order."""
-        keep = survivors(pos, len(q_pos), self.window, self.n_sink)
-        for idx in [keep] if keep is not None else [[i] for i in range(len(q_pos))]:
-            slots = slot(q_pos[idx], self.window, self.n_sink)
+    def write(self, pos, xs):
+        """xs's keys (B, heads, L, dim) into their slots: those that survive the chunk at once,
+        each to its own slot, or, where which survive is known only on the device, one by one."""
+        L = xs[0].size(2)
+        keep = survivors(pos, L, self.window, self.n_sink)
+        for idx in [keep] if keep is not None else [[i] for i in range(L)]:
+            slots = slot(pos + torch.tensor(idx, device=self.device), self.window, self.n_sink)
             for buf, x in zip(self.buffers.values(), xs):
                 buf.index_copy_(2, slots, x[:, :, idx])
-            self.positions.index_copy_(0, slots, q_pos[idx])
 
     def nbytes(self, n):
         """The bytes of the first n positions (all of a state; a ring's filled slots)."""
         return sum((b[:, :, :n] if self.grows else b).nbytes for b in self.buffers.values())
 
     def reset(self):
-        """Only a state is zeroed, and a ring's positions emptied: K/V past the position are
-        sliced off or masked."""
+        """Only a state is zeroed: K/V past the position are sliced off or masked (a ring's, by
+        the positions its slots hold after len(cache) tokens)."""
         if not self.grows:
             for b in self.buffers.values():
                 b.zero_()
-        if self.window:
-            self.positions.fill_(-1)
 
 class Cache:
     """Every layer's cache, and the position GPT.forward advances: an int, or (static=True) a
@@ -108,7 +97,7 @@ class Cache:
         self.pos = torch.zeros((), dtype=torch.long, device=layers[0].device) if static else 0
         # CUDA graph replays write into these in place: their addresses must never change
         if static:
-            for t in [self.pos] + [t for layer in layers for t in layer.tensors]:
+            for t in [self.pos] + [b for layer in layers for b in layer.buffers.values()]:
                 torch._dynamo.mark_static_address(t)
 
     def __len__(self):

@@ -3,6 +3,8 @@ Generation: stream() feeds a model its window of tokens, one new token a step, w
 its cache; sample() picks each token from the logits (greedy, or top-k / nucleus sampling at a
 temperature); check_generation() refuses a prompt or settings before a token is sampled.
 """
+import math
+
 import torch
 from torch.nn import functional as F
 
@@ -51,8 +53,10 @@ def stream(model, idx, max_new_tokens, temperature=1.0, top_k=None, top_p=None, 
            cache=None):
     """Yield the new tokens (B, 1) one step at a time. The model sees a window of at most
     block_size tokens; when it is full it slides forward, keeping its last half, positions
-    restarting at 0: with and without the cache the tokens are the same. Pass a cache
-    (model.init_cache) to inspect it after. Its arguments are checked here, at the call."""
+    restarting at 0. A model whose softmax layers are all windowed (config.endless) sees every
+    token from the first, its cache bounded by the windows (without it: the whole sequence each
+    step). With and without the cache the tokens are the same. Pass a cache (model.init_cache) to
+    inspect it after. Its arguments are checked here, at the call."""
     check_generation(idx, model.config.vocab_size, max_new_tokens, temperature, top_k, top_p)
     if use_cache and cache is not None:
         batches = {buf.size(0) for layer in cache.layers for buf in layer.buffers.values()}
@@ -65,7 +69,8 @@ def stream(model, idx, max_new_tokens, temperature=1.0, top_k=None, top_p=None, 
 @torch.inference_mode()
 def steps(model, idx, max_new_tokens, temperature, top_k, top_p, use_cache, cache):
     """stream()'s loop."""
-    block_size = model.config.block_size
+    # never full: the windows bound what the cache keeps, RoPE depends only on the distance
+    block_size = math.inf if model.config.endless else model.config.block_size
     # the prompt as the sampled tokens are (an inference tensor, contiguous), else torch.compile
     # makes a graph for its prefill alone
     idx = idx.clone(memory_format=torch.contiguous_format)

@@ -17,10 +17,11 @@ sees. n_sink = 2, W = 4, after positions 0..8:
     position     0   1 | 6   7   8   5     <- position 9 goes to slot 5, over 5 (9 - 5 = W)
                  sinks | the last W positions, wrapping around
 
-Each slot remembers its position (-1: empty), and the mask is computed from those positions, so
-the slots' order never matters (softmax attention does not care about its keys' order). A chunk of
-L > 1 new keys would overwrite keys its own first queries still need (query p sees p - W + 1):
-it attends over the slots and its own keys side by side, and is written after.
+A cache is filled in order from position 0, so which position a slot holds follows from how many
+tokens it has seen (held()), and the mask from those positions: the slots' order never matters
+(softmax attention does not care about its keys' order). A chunk of L > 1 new keys would
+overwrite keys its own first queries still need (query p sees p - W + 1): it attends over the
+slots and its own keys side by side, and is written after.
 """
 import torch
 from torch.nn.attention.flex_attention import BlockMask
@@ -42,6 +43,14 @@ def slot(p, window, n_sink=0):
     return torch.where(p < n_sink, p, n_sink + (p - n_sink) % window)
 
 
+def held(seen, j, window, n_sink=0):
+    """The position slot j (a tensor) holds once positions 0 .. seen - 1 were written: the latest
+    that maps to it, or -1 (empty)."""
+    last = seen - 1
+    p = last - (last - j) % window  # (for a window slot: j - n_sink = (p - n_sink) mod W)
+    return torch.where(j < n_sink, torch.where(j < seen, j, -1), torch.where(p >= n_sink, p, -1))
+
+
 def survivors(pos, L, window, n_sink=0):
     """Which of a chunk's L keys (at positions pos, pos + 1, ...) stay in the ring once it is
     written: its sinks and its last W, each to its own slot. None where pos is a device tensor
@@ -51,17 +60,18 @@ def survivors(pos, L, window, n_sink=0):
     return [i for i in range(L) if pos + i < n_sink or i >= L - window]
 
 
-def ring_block_mask(pos, L, positions, S, window, n_sink, block=128):
+def ring_block_mask(pos, L, slots, S, window, n_sink, block=128):
     """A static cache's FlexAttention mask over its ring, for L queries at pos, pos + 1, ... (pos a
-    device tensor): every block of keys is listed (within a window the slots all fill). The keys
-    are the slots (their positions in `positions`), then, for a chunk (S > slots), its own L keys.
-    Positions are computed from pos inside the mask: compiled on a CPU, FlexAttention cannot read a
-    tensor the graph computed."""
-    R, device = positions.size(0), positions.device
+    device tensor): the keys are the slots (a chunk: as they were before it), then, for a chunk
+    (S > slots), its own L keys. Every block of keys is listed: within a window the slots all
+    fill. The positions are computed inside the mask: compiled on a CPU, FlexAttention cannot
+    read a tensor the graph computed."""
+    device = pos.device
     q_blocks, kv_blocks = -(-L // block), -(-S // block)
     listed = torch.full((1, 1, q_blocks), kv_blocks, dtype=torch.int32, device=device)
     blocks = torch.arange(kv_blocks, dtype=torch.int32, device=device).expand(1, 1, q_blocks, -1)
-    key = lambda j: torch.where(j < R, positions[j.clamp(max=R - 1)], pos + j - R)
-    seen = lambda b, h, i, j: sees(pos + i, key(j), window, n_sink)
-    return BlockMask.from_kv_blocks(listed, blocks, BLOCK_SIZE=block, mask_mod=seen,
+    # the slots have seen pos + 1 tokens (one token is written before it attends), or pos (a chunk)
+    key = lambda j: torch.where(j < slots, held(pos + (L == 1), j, window, n_sink), pos + j - slots)
+    mask_mod = lambda b, h, i, j: sees(pos + i, key(j), window, n_sink)
+    return BlockMask.from_kv_blocks(listed, blocks, BLOCK_SIZE=block, mask_mod=mask_mod,
                                     seq_lengths=(L, S), compute_q_blocks=False)

@@ -157,7 +157,11 @@ if state:  # bytes that do not grow over tokens that do: the ratio falls as the 
     print(f"(the linear layers keep a fixed state: its bytes / token here are over the {held} "
           f"tokens the window holds now; train.py reports them at block_size={cfg.block_size} "
           "tokens)")
-if len(start_ids) + max_new_tokens > cfg.block_size:
+if cfg.endless:  # every softmax layer windowed: the cache stops growing, nothing is refilled
+    print(f"(every softmax layer keeps its last {max(cfg.windows)} keys at most"
+          + f" and the first {cfg.n_sink}" * bool(cfg.n_sink) + ": generation runs past "
+          f"block_size={cfg.block_size} with no re-prefill)")
+elif len(start_ids) + max_new_tokens > cfg.block_size:
     print(f"(the cache holds {held} tokens, not {len(start_ids) + max_new_tokens}: past "
           f"block_size={cfg.block_size} the window slides, and the cache is refilled with the last "
           "block_size / 2 tokens)")

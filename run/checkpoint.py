@@ -398,9 +398,11 @@ def resume_state(out_dir, device, meta, asked, data_dir):
         fail(f"{path} was trained on another vocabulary ({saved.vocab_size} tokens) than the data "
              f"in {data_dir} ({asked.vocab_size}{others}); resume with its --dataset / --data_dir "
              "or change out_dir")
-    # how it computes may differ (the same weights), and a stack spelled otherwise
-    attn = asked.attn if saved.layouts == asked.layouts else saved.attn
-    same = dict(chunk_size=asked.chunk_size, linear_kernels=asked.linear_kernels, attn=attn)
+    # how it computes may differ (the same weights), and a stack spelled otherwise ('gqa@8*2' is
+    # --attn=gqa --window=8 on 2 layers)
+    spelled = saved.layouts == asked.layouts and saved.windows == asked.windows
+    stack = dict(attn=asked.attn, window=asked.window) if spelled else {}
+    same = dict(chunk_size=asked.chunk_size, linear_kernels=asked.linear_kernels, **stack)
     differ = model_flags(replace(saved, **same), asked)
     if differ:
         fail(f"{path} is another model ({', '.join(differ)} in it); add those settings to resume "

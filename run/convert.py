@@ -21,7 +21,7 @@ def pool_kv_heads(state_dict, config, n_kv_head):
     """MHA -> GQA / MQA (Ainslie et al. 2023): the K and V projections (and biases) of each group
     of n_head / n_kv_head heads become their mean; every other weight is copied. Exact for
     n_kv_head = n_head."""
-    if config.attn != 'mha':
+    if set(config.pattern()) != {'mha'}:
         raise ValueError("conversion mean-pools the K/V heads of an 'mha' checkpoint; "
                          f"this one is {config.attn!r}")
     H, hd, C = config.n_head, config.head_dim, config.n_embd
@@ -50,7 +50,7 @@ def to_mla(state_dict, config, mla):
     - q times sqrt((d + d_R) / d): MLA scales scores by 1 / sqrt(d + d_R), MHA by 1 / sqrt(d)."""
     H, d, C = config.n_head, config.head_dim, config.n_embd
     dc, dR = mla.kv_lora_rank, mla.rope_head_dim
-    wrong = {f"attn={config.attn!r} (an 'mha' model)": config.attn != 'mha',
+    wrong = {f"attn={config.attn!r} (an 'mha' model)": set(config.pattern()) != {'mha'},
              f"q_lora_rank={mla.q_lora_rank} (0: q is not factorised)": mla.q_lora_rank,
              f"rope_head_dim={dR} (one dividing head_dim={d})": d % dR}
     if said := [w for w, bad in wrong.items() if bad]:
@@ -100,8 +100,8 @@ def to_mla(state_dict, config, mla):
 def conversion(init_from, device, meta, data_dir, remake, config, given):
     """(GPTConfig, weights) of the model `train.py --init_from=SOURCE` starts from: SOURCE's MHA
     (DIR/ckpt.pt, or GPT-2) re-laid out as this run's attn with its K/V sizes and dropout; its shape
-    (and MLP) kept, a flag asking for another refused, but a smaller block_size (learned positions:
-    their first rows, as nanoGPT's crop_block_size)."""
+    (MLP and windows too) kept, a flag asking for another refused, but a smaller block_size (learned
+    positions: their first rows, as nanoGPT's crop_block_size)."""
     with fail_on(FileError):
         if is_gpt2(init_from):
             cfg, state, source_meta = gpt2(init_from)
@@ -110,9 +110,10 @@ def conversion(init_from, device, meta, data_dir, remake, config, given):
             source, cfg = read_checkpoint(os.path.join(init_from, 'ckpt.pt'), device, RESUME)
             state = weights(source)
     attn = config['attn']
-    if cfg.attn != 'mha':
+    if set(cfg.pattern()) != {'mha'}:
         fail(f"converting {init_from} needs an 'mha' checkpoint; this one is {cfg.attn!r}")
-    if attn not in ('mha', 'gqa', 'mqa', 'mla'):
+    layouts = {part.partition('*')[0].partition('@')[0] for part in attn.split('+')}
+    if len(layouts) > 1 or not layouts <= {'mha', 'gqa', 'mqa', 'mla'}:  # (windows: below)
         fail(f"converting {init_from} re-lays out its keys and values: attn must be mha, gqa, mqa "
              f"or mla, not {attn!r}")
     if source.get('meta') != meta and is_gpt2(init_from) and meta.get('encoding') != 'gpt2':
@@ -149,6 +150,10 @@ def conversion(init_from, device, meta, data_dir, remake, config, given):
     try:
         # this run's K/V sizes, the source's n_head
         gptconf = GPTConfig(vocab_size=meta['vocab_size'], **{**shape, **own})
+        if gptconf.windows != cfg.windows:
+            windows = f"its windows {cfg.windows}" if any(cfg.windows) else "no window"
+            fail(f"converting {init_from} keeps its windows: --attn={attn} has {gptconf.windows}, the "
+                 f"checkpoint {windows} (attn={cfg.attn!r}, window={cfg.window})")
         if cfg.pos_emb == 'learned':  # the positions it keeps
             wpe = 'transformer.wpe.weight'
             state = {**state, wpe: state[wpe][:block_size]}

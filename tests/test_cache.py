@@ -1,4 +1,5 @@
-"""The cache is exact: full forward == token by token == uneven chunks, for every layout."""
+"""The cache is exact: full forward == token by token == uneven chunks, for every layout, windowed
+ones too."""
 import pytest
 import torch
 
@@ -12,7 +13,11 @@ VARIANTS = [dict(attn=a) for a in EVERY] + [
     dict(attn='gated_deltanet', chunk_size=5), dict(attn='retnet', chunk_size=3, bias=True),
     dict(attn='mamba2+mqa', pos_emb='learned', chunk_size=7),
     dict(attn='mha', bias=True), dict(attn='mla', bias=True),
-    dict(attn='mla', n_embd=36, kv_lora_rank=15, rope_head_dim=6)]  # odd head_dim and d_c: odd offsets for RoPE
+    dict(attn='mla', n_embd=36, kv_lora_rank=15, rope_head_dim=6),  # odd head_dim and d_c: odd offsets for RoPE
+    # windows: rings of n_sink + W slots, which chunks longer than W cross and wrap around
+    dict(attn='gqa', window=5), dict(attn='mha', window=4, n_sink=2), dict(attn='mla', window=6, n_sink=1),
+    dict(attn='mqa@3+mqa'), dict(attn='gated_deltanet+gqa@5', n_sink=2),
+    dict(attn='mha', window=7, pos_emb='learned')]
 IDS = ['-'.join(f'{k}={v}' for k, v in d.items()) for d in VARIANTS]
 
 

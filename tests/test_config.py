@@ -72,6 +72,19 @@ BAD = [
     (dict(rope_base=float('inf')), r"rope_base=inf.*finite"),
     # True is an int to Python, not a count
     (dict(n_layer=True), r"n_layer=True is invalid: must be of type int"),
+    # windows: W >= 1 keys, on softmax layers, below block_size - n_sink, sinks with a window
+    (dict(window=-1), r"window=-1 is invalid: must be >= 0"),
+    (dict(attn='gqa@0'), r"attn='gqa@0' is invalid: .* own window of W >= 1 keys: 'gqa@64'"),
+    (dict(attn='gqa@*2+mha'), r"attn.*; not 'gqa@\*2'$"),
+    (dict(attn='mha@x'), r"attn='mha@x' is invalid"),
+    (dict(attn='deltanet@8+gqa'), r"'deltanet@8': a window is for softmax layers \(deltanet keeps"),
+    (dict(attn='deltanet', window=8), r"window=8 is invalid: attn='deltanet' has no softmax layer"),
+    (dict(attn='gqa@8+gqa', window=8), r"window=8 is invalid: give one: window= windows every"),
+    (dict(n_sink=4), r"n_sink=4 is invalid: sinks are the first keys a windowed layer keeps"),
+    (dict(n_sink=-1), r"n_sink=-1 is invalid: must be >= 0"),
+    (dict(window=256), r"window=256 is invalid: 256 keys see all of a block_size=256 sequence"),
+    (dict(window=250, n_sink=6), r"window=250 is invalid: 250 keys and 6 sinks see all"),
+    (dict(attn='mha@300+mha'), r"attn='mha@300\+mha' is invalid: 300 keys see all"),
 ]
 
 

@@ -4,7 +4,8 @@ written from the modules' weights with plain loops and use nothing from model.py
 MLA (DeepSeek-V2, eqs. 9-19), linear attention (Katharopoulos et al. 2020, eqs. 4-6) and the
 state-update rules (RetNet, Mamba-2, DeltaNet, Gated DeltaNet). Each layer is checked on the
 training path and on the cached path (a prefill, a chunk after it, then one token at a time), and
-each check is shown to reject a broken copy."""
+each check is shown to reject a broken copy. A windowed layer's band is written out too, and told
+apart from one key wider or narrower."""
 import math
 
 import pytest
@@ -124,16 +125,22 @@ def rms_norm(x, norm):
     return x / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + norm.eps) * norm.weight
 
 
-def causal_softmax_rows(scores):
-    """scores (T, T): row t attends to keys 0..t."""
+def causal_softmax_rows(scores, window=0, n_sink=0):
+    """scores (T, T): row t attends to keys 0..t; with a window of W, to its W most recent keys,
+    itself included (t - W < j <= t), and to the first n_sink (the sinks)."""
     T = scores.size(0)
-    return scores.masked_fill(torch.ones(T, T, dtype=torch.bool).triu(1), float('-inf')).softmax(-1)
+    seen = torch.zeros(T, T, dtype=torch.bool)
+    for t in range(T):
+        for j in range(t + 1):
+            seen[t, j] = not window or t - window < j or j < n_sink
+    return scores.masked_fill(~seen, float('-inf')).softmax(-1)
 
 
-def softmax_attention_ref(attn, x, base, group=lambda h, H, H_kv: h // (H // H_kv)):
+def softmax_attention_ref(attn, x, base, group=lambda h, H, H_kv: h // (H // H_kv), window=0,
+                          n_sink=0):
     """MHA / GQA / MQA (Ainslie et al. 2023): query head h reads K/V head
     h // (n_head / n_kv_head), so each group is a run of consecutive query heads. x (B, T, C),
-    positions 0 .. T-1."""
+    positions 0 .. T-1; a window and sinks as causal_softmax_rows'."""
     B, T, _ = x.shape
     H, H_kv, d = attn.n_head, attn.n_kv_head, attn.head_dim
     q, k, v = linear(x, attn.c_attn).split([H * d, H_kv * d, H_kv * d], -1)
@@ -145,11 +152,12 @@ def softmax_attention_ref(attn, x, base, group=lambda h, H, H_kv: h // (H // H_k
     for b in range(B):
         for h in range(H):
             g = group(h, H, H_kv)
-            out[b, :, h] = causal_softmax_rows(q[b, h] @ k[b, g].T / math.sqrt(d)) @ v[b, g]
+            scores = q[b, h] @ k[b, g].T / math.sqrt(d)
+            out[b, :, h] = causal_softmax_rows(scores, window, n_sink) @ v[b, g]
     return linear(out.reshape(B, T, H * d), attn.c_proj)
 
 
-def mla_ref(attn, x, base, scale=None, rotate_keys=True):
+def mla_ref(attn, x, base, scale=None, rotate_keys=True, window=0, n_sink=0):
     """DeepSeek-V2 MLA, eqs. 9-19, per head i: c = W_DKV h, RMS-normed (as in the released code);
     k^C_i = W_UK_i c; v_i = W_UV_i c;
     k^R = RoPE(W_KR h), one for all heads; q_i = [q^C_i; RoPE(q^R_i)];
@@ -175,7 +183,7 @@ def mla_ref(attn, x, base, scale=None, rotate_keys=True):
         for i in range(H):
             k_c, v = c[b] @ W_UK[i].T, c[b] @ W_UV[i].T  # (T, dh): K and V, materialized
             scores = (q_c[b, :, i] @ k_c.T + q_r[b, :, i] @ k_r[b].T) * scale
-            out[b, :, i] = causal_softmax_rows(scores) @ v
+            out[b, :, i] = causal_softmax_rows(scores, window, n_sink) @ v
     return linear(out.reshape(B, T, H * dh), attn.c_proj)
 
 
@@ -194,10 +202,9 @@ def linear_attention_ref(attn, x, strict=False):
     return linear(out.reshape(B, T, H * d), attn.c_proj)
 
 
-def layer_paths(model, x):
-    """The first block's attention on x: the training path, and the cached path in SCHEDULE's
-    pieces."""
-    attn = model.transformer.h[0].attn
+def layer_paths(model, x, layer=0):
+    """A block's attention on x: the training path, and the cached path in SCHEDULE's pieces."""
+    attn = model.transformer.h[layer].attn
     full = attn(x, model.rope(torch.arange(x.size(1))), 0)
     cache = attn.init_cache(x.size(0), model.config.block_size, x.dtype, x.device)
     out, pos = [], 0
@@ -243,6 +250,46 @@ def test_mla_equals_the_deepseek_equations(kw):
     base = model.config.rope_base
     assert not torch.allclose(mla_ref(attn, x, base, scale=1 / math.sqrt(attn.dh)), ref, atol=1e-3)
     assert not torch.allclose(mla_ref(attn, x, base, rotate_keys=False), ref, atol=1e-3)
+
+
+@pytest.mark.parametrize('window,n_sink', [(4, 0), (3, 2)])
+@pytest.mark.parametrize('attn_name', ['mha', 'gqa', 'mqa', 'mla'])
+def test_windowed_layers_equal_the_reference(attn_name, window, n_sink, monkeypatch):
+    """A query sees its W most recent keys, itself included, and the first n_sink keys: the
+    training path and the cached path (a prefill longer than W, a chunk across the ring's wrap,
+    then one token at a time) equal the band written out, which differs from one a key wider
+    (FlashAttention's window_size=(W, 0)) or narrower; so does the model with either made."""
+    model = make_model(attn_name, window=window, n_sink=n_sink)
+    x = inputs(model, seed=4)
+    attn, full, cached = layer_paths(model, x)
+    reference = mla_ref if attn_name == 'mla' else softmax_attention_ref
+    ref = lambda w: reference(attn, x, model.config.rope_base, window=w, n_sink=n_sink)
+    torch.testing.assert_close(full, ref(window), atol=ATOL, rtol=0)
+    torch.testing.assert_close(cached, ref(window), atol=ATOL, rtol=0)
+    import ops.window
+    sees = ops.window.sees
+    for wrong in (window - 1, window + 1):
+        assert not torch.allclose(ref(wrong), ref(window), atol=1e-3)
+        # the model's own band one key off: the same check catches it
+        monkeypatch.setattr(ops.window, 'sees', lambda i, j, w, s=0: sees(i, j, w - window + wrong, s))
+        _, full, cached = layer_paths(model, x)
+        assert not torch.allclose(full, ref(window), atol=1e-3)
+        assert not torch.allclose(cached, ref(window), atol=1e-3)
+        monkeypatch.undo()
+
+
+def test_a_local_global_stack_windows_only_its_local_layers():
+    """'mha@4+mha': the first layer sees 4 keys, the second all of them (a window applied to the
+    global layers, or dropped from the local ones, fails)."""
+    model = make_model('mha@4+mha')
+    x = inputs(model, seed=5)
+    for layer, window in enumerate((4, 0)):
+        attn, full, cached = layer_paths(model, x, layer)
+        ref = softmax_attention_ref(attn, x, model.config.rope_base, window=window)
+        torch.testing.assert_close(full, ref, atol=ATOL, rtol=0)
+        torch.testing.assert_close(cached, ref, atol=ATOL, rtol=0)
+        other = softmax_attention_ref(attn, x, model.config.rope_base, window=4 - window)
+        assert not torch.allclose(other, ref, atol=1e-3)
 
 
 def delta_family_ref(attn, x, layout, erase=True, forget=True, gamma_sign=1.0, flip=False):

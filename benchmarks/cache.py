@@ -76,7 +76,7 @@ def cache_report(layouts=LAYOUTS):
     tokens."""
     rows, ratios, per_token_fp16, states = [], [], {}, []
     for name in layouts:
-        cfg = GPTConfig(attn=LAYOUTS[name])
+        cfg = GPTConfig(**LAYOUTS[name])
         T, model = cfg.block_size, GPT(cfg).eval()
         cache = model.init_cache(1)
         model(torch.randint(0, cfg.vocab_size, (1, T)), cache=cache)
@@ -124,7 +124,7 @@ def relaid(m):
     cfgs = {}
     for name, extra in layouts.items():
         try:
-            cfgs[name] = GPTConfig(attn=LAYOUTS[name.split(',')[0]], **shape, **extra)
+            cfgs[name] = GPTConfig(**LAYOUTS[name.split(',')[0]], **shape, **extra)
         except ValueError:  # (71 heads have no groups of 4)
             cfgs[name] = None
     return cfgs

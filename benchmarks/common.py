@@ -23,8 +23,18 @@ MORE = "\n<!-- the README shows the report down to here -->\n"
 # saved once the whole report is done: a run that fails or is stopped leaves the saved ones alone
 PLOTS = []
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-HYBRID = runpy.run_path(os.path.join(ROOT, 'config', 'hybrid.py'))['attn']
-LAYOUTS = {**{a: a for a in ATTN_LAYOUTS}, 'hybrid': HYBRID}  # bench's names: config/NAME.py's attn
+
+
+def stack(name):
+    """config/NAME.py's attention: its attn, window and sinks (GPTConfig's fields)."""
+    config = runpy.run_path(os.path.join(ROOT, 'config', f'{name}.py'))
+    return {k: config[k] for k in ('attn', 'window', 'n_sink') if k in config}
+
+
+# bench's names: each layout, and the stacks of config/NAME.py (GPTConfig(**LAYOUTS[name]))
+LAYOUTS = {**{a: {'attn': a} for a in ATTN_LAYOUTS},
+           **{name: stack(name) for name in ('hybrid', 'sliding', 'local_global')}}
+HYBRID = LAYOUTS['hybrid']['attn']
 
 # --- the machine, progress, tables and plots ------------------------------------------------------
 
@@ -83,11 +93,12 @@ def plot(path, lines, legend, **axes):
 
 # --- a report's command line, and README.md's copy of its headline --------------------------------
 
-def command(args, *options):
-    """A report's command line: the report, its options, --layouts if not all, the extras."""
-    layouts = getattr(args, 'layouts', list(LAYOUTS))
+def command(args, *options, every=LAYOUTS):
+    """A report's command line: the report, its options, --layouts if not all of every, the
+    extras."""
+    layouts = getattr(args, 'layouts', list(every))
     words = ['python bench.py', args.mode, *options]
-    if layouts != list(LAYOUTS):
+    if layouts != list(every):
         words.append(f"--layouts={','.join(layouts)}")
     if getattr(args, 'extra', []):  # train.py's flags
         words += ['--', *args.extra]
@@ -128,12 +139,12 @@ def listed(kind, ok, rule):
     return checked(lambda text: sorted({kind(x) for x in text.split(',')}), ok, rule)
 
 
-def in_order(text):  # the layouts named, in LAYOUTS' order
-    named = set(text.split(','))
-    return [a for a in LAYOUTS if a in named] if named <= set(LAYOUTS) else []
-
-
-layout_list = checked(in_order, bool, "choose from " + ','.join(LAYOUTS))
+def layout_list(names):
+    """An argparse type: a comma-separated subset of names, in names' order."""
+    def in_order(text):
+        named = set(text.split(','))
+        return [a for a in names if a in named] if named <= set(names) else []
+    return checked(in_order, bool, "choose from " + ','.join(names))
 
 
 def flag(p, name, default, kind, what):
@@ -142,8 +153,9 @@ def flag(p, name, default, kind, what):
     p.add_argument(f'--{name}', default=default, type=kind, help=what + default_is)
 
 
-def add_layouts(p, default=','.join(LAYOUTS)):
-    flag(p, 'layouts', default, layout_list, 'a comma-separated subset of the layouts')
+def add_layouts(p, default=None, names=LAYOUTS):
+    flag(p, 'layouts', default or ','.join(names), layout_list(names),
+         'a comma-separated subset of the layouts')
 
 
 def iterations(args, error, default):

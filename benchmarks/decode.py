@@ -81,7 +81,7 @@ def check_sizes(args, contexts, compiled, what):
     weights and caches need at once, counted, nothing built: one line and exit 2 where the device
     has less."""
     dtype = getattr(torch, args.dtype)
-    cfgs = [GPTConfig(attn=LAYOUTS[a], **model_sizes(args)) for a in args.layouts]
+    cfgs = [GPTConfig(**LAYOUTS[a], **model_sizes(args)) for a in args.layouts]
     weights = sum(num_params(c) for c in cfgs) * dtype.itemsize
     # the roofline: a cache of t + 1 tokens a sequence (and the compiled step's), the token ids
     steps = sum(c.cache_bytes(args.t + 1, dtype) * args.batch * (1 + compiled) for c in cfgs)
@@ -111,7 +111,7 @@ def roofline(layouts, sizes, batch, contexts, device, dtype, compile=False, unca
     kinds = ['eager'] + ['compiled'] * compile + ['no cache'] * uncached
     for attn in layouts:
         progress(f"decode steps at batch {batch}: {attn}")
-        config = GPTConfig(attn=LAYOUTS[attn], **sizes, block_size=max(contexts) + 1)
+        config = GPTConfig(**LAYOUTS[attn], **sizes, block_size=max(contexts) + 1)
         model = GPT(config).to(device, dtype).eval()
         net = torch.compile(model, **compile_options(device)) if compile else None
         idx = torch.randint(0, config.vocab_size, (batch, max(contexts) + 1), device=device)
@@ -272,7 +272,7 @@ def decode_profile(layouts, sizes, batch, t, device, dtype, steps=5, top=4):
     rows, named, copies = [], {}, []
     for attn in layouts:
         progress(f"profile of a decode step: {attn}")
-        config = GPTConfig(attn=LAYOUTS[attn], **sizes, block_size=t + 1)
+        config = GPTConfig(**LAYOUTS[attn], **sizes, block_size=t + 1)
         model = GPT(config).to(device, dtype).eval()
         idx, cache = torch.randint(0, 65, (batch, t + 1), device=device), model.init_cache(batch)
         prefill(model, idx, t, cache, 512, f"{attn}, profiled")
@@ -337,7 +337,7 @@ def generation(layouts, sizes, device, dtype, compile=False, prompt=16, new=240,
     kinds, rows = ['no cache', 'cache'] + ['cache, compiled'] * compile, []
     for attn in layouts:
         progress(f"generation: {attn}")
-        config = GPTConfig(attn=LAYOUTS[attn], **sizes, block_size=256)
+        config = GPTConfig(**LAYOUTS[attn], **sizes, block_size=256)
         model = GPT(config).to(device, dtype).eval()
         ways = {'no cache': (model, None), 'cache': (model, 'cache')}
         if compile:  # a copy, compiled in place (stream() calls self(...)), over a static cache

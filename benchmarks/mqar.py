@@ -41,12 +41,20 @@ MQAR_DATA = {'cpu': dict(vocab=256, sets=SETS, train=20000, batch=64, max_iters=
 # rules but 'linear' stayed near chance.
 MQAR_LR = {'mha': 3e-3, 'linear': 3e-3}
 MQAR_SWEPT = "2026-12-05's sweep --lrs=0.0003,0.001,0.003"
+# MQAR's stacks: every layout, the hybrid 1:1 on 2 layers, and windows shorter and longer than the
+# sequences (64 to 256 tokens), with and without StreamingLLM's 4 sinks. MQA at a window of 32
+# keys and MHA at 8 keep 2,048 elements a sequence, as much as the linear rules' state.
+WINDOWS = {'mqa@32': dict(attn='mqa', window=32), 'mqa@32+sinks': dict(attn='mqa', window=32, n_sink=4),
+           'mqa@128': dict(attn='mqa', window=128), 'mha@8': dict(attn='mha', window=8),
+           'mha@8+sinks': dict(attn='mha', window=8, n_sink=4)}
+MQAR_LAYOUTS = {**{a: f for a, f in LAYOUTS.items() if a not in ('sliding', 'local_global')},
+                'hybrid': dict(attn='gated_deltanet+gqa'), **WINDOWS}
 rates = listed(float, lambda v: 0 < v[0] and v[-1] <= 1, "give numbers in (0, 1]")
 
 
 def add_arguments(p):
     pairs = lambda sets: ','.join(f'{L}:{n}' for L, n in sets)
-    add_layouts(p)
+    add_layouts(p, names=MQAR_LAYOUTS)
     add_device(p, "; on cuda Zoology's data")
     flag(p, 'max_iters', None, count, "iterations (default: 1000, on cuda 5000)")
     flag(p, 'lrs', None, rates, "peak learning rates, each layout's best kept (default: each "
@@ -124,10 +132,10 @@ class ConvFirst(torch.nn.Module):
 
 
 def mqar_model(name, vocab, block_size, conv=1):
-    attn = {**LAYOUTS, 'hybrid': 'gated_deltanet+gqa'}[name]  # (1:1 on 2 layers)
-    has_conv = 'conv_size' in GPTConfig(attn=attn).used_fields()
+    stack = MQAR_LAYOUTS[name]
+    has_conv = 'conv_size' in GPTConfig(attn=stack['attn']).used_fields()
     own = dict(conv_size=1) if has_conv else {}  # the linear layers' own conv off
-    model = GPT(GPTConfig(attn=attn, vocab_size=vocab, block_size=block_size, **MQAR, **own))
+    model = GPT(GPTConfig(**stack, vocab_size=vocab, block_size=block_size, **MQAR, **own))
     model.transformer.wte = PairEmbedding(model.transformer.wte, vocab)
     if conv > 1:
         if conv > block_size:
@@ -356,7 +364,8 @@ def described(args, data, swept):
                 "too (the identity at init; the linear rules' own conv off)")
     model = (f"a {MQAR['n_layer']}-layer model per layout ({MQAR['n_head']} heads, n_embd "
              f"{MQAR['n_embd']}, head_dim d_k = {HEAD_DIM}, learned positions, {conv}, the MLP "
-             "sized to MHA's parameter count; hybrid = 'gated_deltanet+gqa')")
+             "sized to MHA's parameter count; hybrid = 'gated_deltanet+gqa'; mqa@32: MQA whose "
+             "queries see their 32 most recent keys, +sinks: and the first 4)")
     lrs = f"at each layout's best peak lr of {MQAR_SWEPT} (benchmarks/mqar.py's MQAR_LR)"
     if args.lrs:
         lrs = (f"at each peak lr ({swept}), each layout's best kept by mean recall (as Zoology "
@@ -380,4 +389,4 @@ def mqar_command(args, data, swept):
                  device=args.device.startswith('cuda') and args.device, vocab=args.vocab,
                  sets=args.sets and ','.join(f'{L}:{n}' for L, n in data['sets']))
     flags = [f'--{k}={v}' for k, v in given.items() if v]
-    return command(args, f'--max_iters={args.max_iters}', *flags)
+    return command(args, f'--max_iters={args.max_iters}', *flags, every=MQAR_LAYOUTS)

@@ -204,7 +204,7 @@ def step_time_vs_nanogpt(nanogpt_path, layouts=(), rounds=30, steps=10, device='
     for name in (a for a in layouts if a != 'mha'):
         config = runpy.run_path(os.path.join('config', f'{name}.py'))
         match = config.get('match_mha_params', False)
-        models[f"ours, {name}"] = GPT(GPTConfig(attn=LAYOUTS[name], match_mha_params=match, **sizes))
+        models[f"ours, {name}"] = GPT(GPTConfig(**LAYOUTS[name], match_mha_params=match, **sizes))
     models = {k: m.to(device) for k, m in models.items()}
     if compile:  # a copy of each, compiled (its own weights and optimizer state)
         # (no CUDA graphs: the step's optimizer is outside)

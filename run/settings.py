@@ -192,7 +192,7 @@ def check_training_memory(gptconf, batch_size, dtype, device):
 
 def summary(gptconf, params, cache_bytes_per_token, block_size, dtype, device):
     """The model train.py trains, in one line: layout, parameters, cache bytes per token, the linear
-    layers' kernels, a hybrid's layers."""
+    layers' kernels, the windowed layers, a hybrid's layers."""
     line = (f"{gptconf.attn}: {params / 1e6:.2f}M parameters, cache {cache_bytes_per_token:,.0f} "
             f"bytes/token at block_size {block_size} ({dtype})")
     if not gptconf.softmax:
@@ -200,6 +200,12 @@ def summary(gptconf, params, cache_bytes_per_token, block_size, dtype, device):
     if set(gptconf.layouts) & set(LINEAR_RULES):  # which kernels: fla's where they run, else ours
         fla = gptconf.linear_kernels == 'fla' and fla_runs(torch.empty(0, device=device))
         line += "; linear layers on " + ("fla's kernels" if fla else "our kernels")
+    windowed = {w: n for (_, w), n in gptconf.layer_counts(windows=True).items() if w}
+    if windowed:  # how many layers see how many keys
+        sinks = f" + {gptconf.n_sink} sinks" * bool(gptconf.n_sink)
+        line += (f"; {sum(windowed.values())} of {gptconf.n_layer} layers windowed "
+                 f"({'/'.join(map(str, sorted(windowed)))} keys{sinks})")
+        line += ": generation runs past block_size" * gptconf.endless
     layers = gptconf.layer_counts()
     if len(layers) > 1:  # a hybrid: the pattern repeats over n_layer, its counts alone can mislead
         line += f"; layers: {', '.join(f'{a} x{n}' for a, n in layers.items())}"

@@ -60,7 +60,7 @@ def test_decode_report_on_a_tiny_model(tmp_path):
     assert [r[0] for r in roof] == NAMES
     # bytes read = every weight + the filled cache
     for attn, mb, gflop, bytes_ms, flop_ms, binds, ms, pct in roof:
-        cfg = GPTConfig(attn=LAYOUTS[attn], n_layer=4, n_head=4, n_embd=16, block_size=41,
+        cfg = GPTConfig(**LAYOUTS[attn], n_layer=4, n_head=4, n_embd=16, block_size=41,
                         kv_lora_rank=16, rope_head_dim=2)
         # MLA at d_c = 4 head_dim, d_R = head_dim / 2
         weights = sum(p.numel() for p in GPT(cfg).parameters()) * 4

@@ -4,9 +4,10 @@ bench.py cache: cache bytes per token, the model's formula next to a real cache,
 Per layout, the cache GPTConfig.cache_elements predicts, and a real cache's nbytes after
 block_size tokens. Then published models (Hugging Face config.json files: models/ holds some) and
 a model given by its sizes (default: the founding chapter's 7B-class model): the cache per token and
-at --context tokens for --batch sequences, next to the weights, as published and re-laid out as
-each of our layouts. The same formulas as GPTConfig's (model.py). The families it reads: llama,
-mistral, qwen2, qwen3, falcon, gpt2, deepseek_v2, deepseek_v3, qwen3_next (others: --sizes).
+at each --context for --batch sequences, next to the weights, as published (a windowed layer keeps
+its last sliding_window tokens) and re-laid out as each of our layouts. The same formulas as
+GPTConfig's (model.py). The families it reads: llama, mistral, qwen2, qwen3, falcon, gpt2,
+deepseek_v2, deepseek_v3, qwen3_next, gemma2, gemma3_text, gpt_oss (others: --sizes).
 
     python bench.py cache --models=path/to/config.json --context=32768 --batch=8
     python bench.py cache --sizes=n_layer=80,n_head=64,n_kv_head=8,head_dim=128,params=70e9
@@ -15,7 +16,8 @@ import os
 
 import torch
 
-from benchmarks.common import HYBRID, LAYOUTS, MORE, ROOT, add_layouts, count, flag, row, table
+from benchmarks.common import (HYBRID, LAYOUTS, MORE, ROOT, add_layouts, count, flag, listed, row,
+                               table)
 from benchmarks.models import CHAPTER, ModelError, from_sizes, read_config
 from configurator import checked
 from model import GPT, GPTConfig
@@ -31,7 +33,8 @@ def add_arguments(p):
          "published config.json files (or folders of them), comma-separated")
     flag(p, 'sizes', CHAPTER, str, "a softmax model by its sizes: n_layer, n_head, head_dim "
          "[, n_kv_head, params]")
-    flag(p, 'context', 8192, count, 'tokens in the cache')
+    flag(p, 'context', '8192,131072', listed(int, lambda v: v[0] >= 1, "give integers >= 1"),
+         'tokens in the cache, comma-separated: a column each')
     flag(p, 'batch', 1, count, 'sequences')
     dtype = checked(DTYPES.get, bool, f"choose from {', '.join(DTYPES)}")
     flag(p, 'dtype', 'bfloat16', dtype, f"{', '.join(DTYPES)}: the type of the cached keys and "
@@ -88,7 +91,9 @@ def cache_report(layouts=LAYOUTS):
                         f"{cache.nbytes:,}", f"{cache.nbytes / formula:.3f}"))
         ratios.append(f"{cache.nbytes / formula:.3f}")
         if per_token:  # (a hybrid: and its linear layers' state)
-            per_token_fp16[name] = f"{fp16:,}" + " + a fixed state" * bool(state)
+            window = max(cfg.windows)  # (its windowed layers stop there)
+            per_token_fp16[name] = (f"{fp16:,}" + " + a fixed state" * bool(state)
+                                    + f" (its windowed layers: {window} tokens at most)" * bool(window))
         else:  # a linear layout: nothing per token
             states.append(formula)
     mla = GPTConfig(attn='mla')  # the sizes its layers get
@@ -145,31 +150,32 @@ def keeps(cfg):
 
 def model_rows(m, args):
     """(layout, what it keeps, bytes per token (the first's: a window caps the sum, not the
-    rate), bytes at --context x --batch) as published, then re-laid out."""
-    T, B, size = args.context, args.batch, args.dtype.itemsize
+    rate), [bytes at each --context x --batch]) as published, then re-laid out."""
+    B, size = args.batch, args.dtype.itemsize
     first = m.cache_bytes(1, size) - m.cache_bytes(0, size)
     name = 'as published' if m.source else 'as given'
-    rows = [(name, m.layout(), first, m.cache_bytes(T, size) * B)]
+    rows = [(name, m.layout(), first, [m.cache_bytes(T, size) * B for T in args.context])]
     for name, cfg in relaid(m).items():
         if cfg is None:
             why = f"{m.n_head} query heads have no groups of 4"
             rows.append((name.split(',')[0], why, None, None))
             continue
         first = cfg.cache_bytes(1, args.dtype) - cfg.cache_bytes(0, args.dtype)
-        rows.append((name, keeps(cfg), first, cfg.cache_bytes(T, args.dtype) * B))
+        rows.append((name, keeps(cfg), first, [cfg.cache_bytes(T, args.dtype) * B for T in args.context]))
     return rows
 
 
 def model_section(m, args):
     weights = m.params * args.dtype.itemsize
-    header = ['layout', 'what each layer keeps', 'KiB / token', f'GiB at {args.context:,} tokens'
-              + f' x {args.batch}' * (args.batch > 1), 'cache / weights' * bool(weights)]
+    at = lambda T: f'GiB at {T:,} tokens' + f' x {args.batch}' * (args.batch > 1)
+    longest = f' at {args.context[-1]:,}' * (len(args.context) > 1)
+    header = ['layout', 'what each layer keeps', 'KiB / token', *map(at, args.context),
+              f'cache / weights{longest}' * bool(weights)]
     lines = []
-    for name, what, per_tok, total in model_rows(m, args):
-        cells = [name, what, '—' if per_tok is None else kib(per_tok),
-                 '—' if total is None else f"{total / GiB:,.2f}"]
-        ratio = [f"{total / weights:.2f}" if total else '—'] if weights else []
-        lines.append(row(*cells, *ratio))
+    for name, what, per_tok, totals in model_rows(m, args):
+        gib = ['—'] * len(args.context) if totals is None else [f"{t / GiB:,.2f}" for t in totals]
+        ratio = [f"{totals[-1] / weights:.2f}" if totals else '—'] if weights else []
+        lines.append(row(name, what, '—' if per_tok is None else kib(per_tok), *gib, *ratio))
     count = f"{m.params / 1e9:,.1f}B" if m.params >= 1e9 else f"{m.params / 1e6:,.1f}M"
     about = (f"{count} parameters, {weights / GiB:,.1f} GiB of weights at "
              f"{args.dtype.itemsize * 8} bits; " if weights else '')
@@ -180,9 +186,17 @@ def model_section(m, args):
 
 
 def models_line(models, args):
-    """The README's line: what each published model keeps per token."""
-    state = lambda m: ' + a fixed state' * any(s for *_, s in m.groups)
+    """The README's line: what each published model keeps per token, and what its windows keep at
+    the longest --context."""
+    state = lambda m: ' + a fixed state' * any(state for _, _, _, state, _ in m.groups)
     said = [f"{m.name} {kib(model_rows(m, args)[0][2])}{state(m)}" for m in models]
-    return (f"The configs in {args.models}, as published, KiB per token at "
+    line = (f"The configs in {args.models}, as published, KiB per token at "
             f"{args.dtype.itemsize * 8} bits: {', '.join(said)}; each next to its weights and "
             "re-laid out as our layouts in the whole report.")
+    T, size, windowed = args.context[-1], args.dtype.itemsize, [m for m in models if m.windowed]
+    if windowed:
+        kept = lambda m, windows=True: f"{m.cache_bytes(T, size, windows) * args.batch / GiB:,.2f}"
+        line += (f" At {T:,} tokens their windows keep " + ", ".join(
+            f"{m.name} at {kept(m)} GiB ({kept(m, False)} were every layer global)" for m in windowed)
+            + ".")
+    return line

@@ -21,7 +21,8 @@ class ModelError(ValueError):
 
 @dataclass
 class Published:
-    groups: list              # (layers, what, elements(T), a fixed state?) per kind of layer
+    groups: list              # (layers, what, elements(T), a fixed state?, window: keeps the last
+                              # window tokens, 0: all) per kind of layer
     params: int               # the weights, as published (0: not given)
     n_layer: int              # the sizes our layouts re-lay it out with
     n_head: int
@@ -30,12 +31,19 @@ class Published:
     name: str = ''
     source: str = ''          # the config.json, or '' (a model given by its sizes)
 
-    def cache_bytes(self, T, itemsize):  # batch 1; a linear layer's state float32 at least
-        return sum(n * fn(T) * (max(itemsize, 4) if state else itemsize)
-                   for n, _, fn, state in self.groups)
+    def cache_bytes(self, T, itemsize, windows=True):
+        """Batch 1; a linear layer's state float32 at least; windows=False: as if no layer had a
+        window (each keeps every token)."""
+        kept = lambda window: min(T, window) if window and windows else T
+        return sum(n * fn(kept(window)) * (max(itemsize, 4) if state else itemsize)
+                   for n, _, fn, state, window in self.groups)
 
     def layout(self):
-        return ' + '.join(f"{n} x {what}" for n, what, _, _ in self.groups)
+        return ' + '.join(f"{n} x {what}" for n, what, *_ in self.groups)
+
+    @property
+    def windowed(self):
+        return any(window for *_, window in self.groups)
 
 
 # --- each family: its layers' caches and its parameters ------------------------------------------
@@ -53,10 +61,9 @@ def softmax_layers(c, n_kv, d):
     slides = [t == 'sliding_attention' or windowed for t in types]
     if any(slides) and not window:
         raise ModelError("sliding_attention layers without a sliding_window")
-    what = f"softmax, {n_kv} K/V heads of {d}"
-    groups = [(slides.count(False), what, lambda T: kv_elements(T, n_kv, d, d), False),
-              (slides.count(True), what + f", window {window}",
-               lambda T: kv_elements(min(T, window or T), n_kv, d, d), False)]
+    what, elements = f"softmax, {n_kv} K/V heads of {d}", lambda T: kv_elements(T, n_kv, d, d)
+    groups = [(slides.count(False), what, elements, False, 0),
+              (slides.count(True), what + f", window {window}", elements, False, window)]
     return [g for g in groups if g[0]]
 
 
@@ -114,7 +121,7 @@ def deepseek(c):  # MLA: it caches [c | k_R] (the paper; vLLM, SGLang) and forms
     dense = min(c.get('first_k_dense_replace', 0), L)
     mlps = dense * 3 * C * c['intermediate_size'] + (L - dense) * moe
     params = embeddings(c) + L * (attn + 2 * C) + mlps + C
-    groups = [(L, f"MLA, d_c {dc} + d_R {dR}", lambda T: latent_elements(T, dc, dR), False)]
+    groups = [(L, f"MLA, d_c {dc} + d_R {dR}", lambda T: latent_elements(T, dc, dR), False, 0)]
     mtp = c.get('num_nextn_predict_layers')
     notes = [f"{mtp} multi-token-prediction layer(s) not counted"] * bool(mtp)
     return Published(groups, params, L, H, nope, notes)
@@ -138,10 +145,38 @@ def qwen3_next(c):  # 3 Gated DeltaNet layers to 1 gated softmax layer, MoE MLPs
     n_full = types.count('full_attention')
     params = embeddings(c) + n_full * full + (L - n_full) * linear + L * (mlp + 2 * C) + C
     groups = [(n_full, f"softmax, {kv} K/V heads of {d}",
-               lambda T: kv_elements(T, kv, d, d), False),
+               lambda T: kv_elements(T, kv, d, d), False, 0),
               (L - n_full, f"Gated DeltaNet, {nv} heads of {dk} x {dv}",
-               lambda T: state_elements(nv, dk, dv, conv, K), True)]
+               lambda T: state_elements(nv, dk, dv, conv, K), True, 0)]
     return Published([g for g in groups if g[0]], params, L, H, d)
+
+
+def gemma(c):  # gemma2, gemma3_text: local and global layers, GeGLU MLPs, 4 norms a layer
+    C, H, L, d = c['hidden_size'], c['num_attention_heads'], c['num_hidden_layers'], c['head_dim']
+    kv, I, three = c.get('num_key_value_heads') or H, c['intermediate_size'], c['model_type'] != 'gemma2'
+    if c.get('use_bidirectional_attention'):
+        raise ModelError("use_bidirectional_attention: an encoder's window (half of it either side) "
+                         "is not read here")
+    # Gemma 2 alternates local and global; Gemma 3 has 5 local to 1 global (its old configs' pattern)
+    every = c.get('sliding_window_pattern', 6) if three else 2
+    types = c.get('layer_types') or [
+        'full_attention' if (i + 1) % every == 0 else 'sliding_attention' for i in range(L)]
+    attn = 2 * C * H * d + 2 * C * kv * d + bool(c.get('attention_bias')) * (H * d + 2 * kv * d + C)
+    layer = attn + three * 2 * d + 3 * C * I + 4 * C  # (Gemma 3: q and k norms)
+    params = embeddings(c, tied=True) + L * layer + C
+    return Published(softmax_layers({**c, 'layer_types': types}, kv, d), params, L, H, d)
+
+
+def gpt_oss(c):  # local and global in turn; a learned sink logit per head, not a kept token; MoE
+    C, H, L, d = c['hidden_size'], c['num_attention_heads'], c['num_hidden_layers'], c['head_dim']
+    kv, E, I = c['num_key_value_heads'], c['num_local_experts'], c['intermediate_size']
+    types = c.get('layer_types') or [
+        'full_attention' if i % 2 else 'sliding_attention' for i in range(L)]
+    attn = 2 * C * H * d + 2 * C * kv * d + H  # q, k, v, o and the sinks
+    attn += c.get('attention_bias', True) * (H * d + 2 * kv * d + C)
+    moe = C * E + E + E * (C * 2 * I + 2 * I + I * C + C)  # the router; experts with biases
+    params = embeddings(c) + L * (attn + moe + 2 * C) + C
+    return Published(softmax_layers({**c, 'layer_types': types}, kv, d), params, L, H, d)
 
 
 def embeddings(c, tied=False):  # the token embedding, and the head unless tied to it
@@ -150,7 +185,7 @@ def embeddings(c, tied=False):  # the token embedding, and the head unless tied 
 
 FAMILIES = {'llama': llama, 'mistral': llama, 'qwen2': llama, 'qwen3': llama, 'falcon': falcon,
             'gpt2': gpt2, 'deepseek_v2': deepseek, 'deepseek_v3': deepseek,
-            'qwen3_next': qwen3_next}
+            'qwen3_next': qwen3_next, 'gemma2': gemma, 'gemma3_text': gemma, 'gpt_oss': gpt_oss}
 SIZE_FIELDS = {'hidden_size', 'num_attention_heads', 'num_hidden_layers', 'vocab_size',
                'num_key_value_heads', 'head_dim', 'intermediate_size', 'sliding_window', 'n_embd',
                'n_head', 'n_layer', 'n_positions', 'n_inner', 'ffn_hidden_size', 'kv_lora_rank',
@@ -158,10 +193,11 @@ SIZE_FIELDS = {'hidden_size', 'num_attention_heads', 'num_hidden_layers', 'vocab
                'n_routed_experts', 'n_shared_experts', 'moe_intermediate_size',
                'first_k_dense_replace', 'num_experts', 'shared_expert_intermediate_size',
                'full_attention_interval', 'linear_conv_kernel_dim', 'linear_key_head_dim',
-               'linear_value_head_dim', 'linear_num_key_heads', 'linear_num_value_heads'}
+               'linear_value_head_dim', 'linear_num_key_heads', 'linear_num_value_heads',
+               'sliding_window_pattern', 'num_local_experts'}
 # the UNREAD fields a family reads
 OWN = {'deepseek_v2': 'kv_lora_rank', 'deepseek_v3': 'kv_lora_rank',
-       'qwen3_next': 'linear_num_value_heads'}
+       'qwen3_next': 'linear_num_value_heads', 'gemma3_text': 'sliding_window_pattern'}
 
 
 def read_config(path):
@@ -189,7 +225,7 @@ def read_config(path):
     try:
         model = FAMILIES[kind](c)
         sizes = [model.n_layer, model.n_head, model.head_dim, model.params,
-                 *(fn(1) for _, _, fn, _ in model.groups)]
+                 *(fn(1) for _, _, fn, *_ in model.groups)]
         if not all(isinstance(n, int) and n >= 1 for n in sizes):
             raise ValueError
     except ModelError:
@@ -226,6 +262,6 @@ def from_sizes(text):
     if min(s.values()) < 1 or s['n_head'] % kv or not whole:
         raise ModelError(f"{text!r}: sizes are whole numbers >= 1, n_kv_head dividing n_head")
     d, L = s['head_dim'], s['n_layer']
-    groups = [(L, f"softmax, {kv} K/V heads of {d}", lambda T: kv_elements(T, kv, d, d), False)]
+    groups = [(L, f"softmax, {kv} K/V heads of {d}", lambda T: kv_elements(T, kv, d, d), False, 0)]
     name = "the founding chapter's 7B-class model" * (text == CHAPTER) or f"--sizes={text}"
     return Published(groups, int(params), L, s['n_head'], d, name=name)

@@ -16,7 +16,7 @@ import torch
 
 from bench import main as bench_main
 import ops.softmax
-from benchmarks import cache as bench_cache, decode, mqar, train
+from benchmarks import cache as bench_cache, decode, models as bench_models, mqar, train
 from benchmarks.common import LAYOUTS, MORE, readme_section
 from benchmarks.models import CHAPTER, from_sizes, read_config
 from benchmarks.timing import take_turns
@@ -172,7 +172,8 @@ def test_cache_report(tmp_path):
     ratios = re.findall(r"^\| (mha|gqa|mqa|mla|linear) \| .* \| ([\d.]+) \|$", toy, re.M)
     assert ratios == [('mha', '1.000'), ('mqa', '1.000')]  # measured / formula
     # then the chapter's model and the published ones, each re-laid out
-    assert "| mla | 32 x MLA, d_c 512 + d_R 64 | 36 | 0.28 | 0.02 |" in out
+    # at each context (8,192 and 131,072 tokens), and next to the weights at the longest
+    assert "| mla | 32 x MLA, d_c 512 + d_R 64 | 36 | 0.28 | 4.50 | 0.35 |" in out
     assert re.search(r"^\*\*qwen3-next-80b-a3b\*\*: 79.7B parameters", out, re.M)
 
 
@@ -860,10 +861,10 @@ def test_bench_mqar_stopped_ends_its_workers_and_deletes_its_data(tmp_path, sig,
 def test_the_chapters_cache_table():
     """The founding chapter's table (7B-class: 32 layers, 32 query heads, d_k 128, 16 bits, 8,192
     tokens; weights 13.0 GiB), as bench.py cache prints it."""
-    args = argparse.Namespace(context=8192, batch=1, dtype=torch.bfloat16, models='')
+    args = argparse.Namespace(context=[8192], batch=1, dtype=torch.bfloat16, models='')
     model = from_sizes(CHAPTER)
-    rows = {name.split(',')[0]: (bench_cache.kib(per_token), f"{total / 2 ** 30:.2f}")
-            for name, _, per_token, total in bench_cache.model_rows(model, args)}
+    rows = {name.split(',')[0]: (bench_cache.kib(per_token), f"{totals[0] / 2 ** 30:.2f}")
+            for name, _, per_token, totals in bench_cache.model_rows(model, args)}
     chapter = {'mha': ('512', '4.00'), 'gqa': ('128', '1.00'), 'mqa': ('16', '0.12'),
                'mla': ('36', '0.28')}
     assert {k: rows[k] for k in chapter} == chapter
@@ -888,6 +889,19 @@ def test_published_models_caches():
     state = 36 * (32 * 128 * 128 + (2 * 16 * 128 + 32 * 128) * 3) * 4
     assert qwen.cache_bytes(0, size) == state
     assert qwen.cache_bytes(10, size) == state + 10 * 12 * 2 * 2 * 256 * size
+    # windows: Gemma 2 alternates 4,096-token local layers and global ones; Gemma 3's 1B has 5
+    # local layers of 512 to 1 global (4 of 26); gpt-oss 128-token local layers every other layer
+    kv = lambda layers, heads, d, T: layers * 2 * heads * d * T * size
+    T = 131072
+    assert read('gemma-2-9b').cache_bytes(T, size) == kv(21, 8, 256, T) + kv(21, 8, 256, 4096)
+    assert read('gemma-3-1b-it').cache_bytes(T, size) == kv(4, 1, 256, T) + kv(22, 1, 256, 512)
+    assert read('gpt-oss-20b').cache_bytes(T, size) == kv(12, 8, 64, T) + kv(12, 8, 64, 128)
+    assert read('gpt-oss-20b').cache_bytes(T, size, windows=False) == kv(24, 8, 64, T)
+    # Gemma 3's global layers are every 6th, from its sliding_window_pattern or its layer_types
+    gemma = json.load(open(os.path.join(ROOT, 'models', 'gemma-3-1b-it.json')))
+    types = ['full_attention' if i % 6 == 5 else 'sliding_attention' for i in range(26)]
+    typed = {k: v for k, v in gemma.items() if k != 'sliding_window_pattern'} | {'layer_types': types}
+    assert bench_models.gemma(typed).groups[0][0] == bench_models.gemma(gemma).groups[0][0] == 4
 
 
 def test_published_models_weights_as_transformers_counts_them(tmp_path):
@@ -911,7 +925,7 @@ def test_published_models_weights_as_transformers_counts_them(tmp_path):
 
 def test_sizes_without_weights_and_an_8_bit_cache(tmp_path):
     bench_main(['cache', '--layouts=mha', '--models=', '--dtype=float8', f'--out={tmp_path}',
-                '--sizes=n_layer=80,n_head=64,n_kv_head=8,head_dim=128'])
+                '--sizes=n_layer=80,n_head=64,n_kv_head=8,head_dim=128', '--context=8192'])
     report = (tmp_path / 'cache.md').read_text()
     # 2 x 80 x 8 x 128 bytes; no weights given: no weights' column
     assert '| as given | 80 x softmax, 8 K/V heads of 128 | 160 | 1.25 |\n' in report
@@ -934,7 +948,8 @@ def test_a_model_folder_is_read_by_its_config_json(tmp_path):
 
 
 def test_a_config_the_calculator_cannot_read_is_one_line(tmp_path, capsys):
-    llama = json.load(open(os.path.join(ROOT, 'models', 'llama-3-8b.json')))
+    llama, gemma, oss = (json.load(open(os.path.join(ROOT, 'models', f'{name}.json')))
+                         for name in ('llama-3-8b', 'gemma-3-1b-it', 'gpt-oss-20b'))
     cases = {
         'bert.json': (dict(llama, model_type='bert'), "model_type 'bert' is not one"),
         'chunked.json': (dict(llama, attention_chunk_size=8192),
@@ -950,6 +965,14 @@ def test_a_config_the_calculator_cannot_read_is_one_line(tmp_path, capsys):
         'list.json': ([], "not a config.json"),
         'types.json': (dict(llama, layer_types=['full_attention', 'chunked_attention'] * 16),
                        "layer_types other than 32 full_attention / sliding_attention"),
+        # a window field a family does not read, or cannot
+        'pattern.json': (dict(llama, sliding_window_pattern=6),
+                         "'sliding_window_pattern' changes what a layer caches"),
+        'gemma.json': (dict(gemma, sliding_window=None), "sliding_attention layers without a sliding_window"),
+        'encoder.json': (dict(gemma, use_bidirectional_attention=True), "use_bidirectional_attention"),
+        'every.json': (dict(gemma, sliding_window_pattern=0), "its sizes or layer_types do not make"),
+        'oss.json': ({k: v for k, v in oss.items() if k != 'num_local_experts'},
+                     "a gpt_oss config needs 'num_local_experts'"),
     }
     for name, (config, msg) in cases.items():
         (tmp_path / name).write_text(json.dumps(config))

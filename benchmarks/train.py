@@ -19,6 +19,7 @@ import torch
 from benchmarks.common import (LAYOUTS, MORE, add_device, add_layouts, command, compile_options,
                                count, flag, machine, plot, progress, iterations, row, table)
 from benchmarks.timing import take_turns
+from benchmarks.windows import band_cost, retrofit
 from configurator import check_device, describe, fail, parse_value
 from model import GPT, GPTConfig
 from run.checkpoint import FileError, in_use, remove_run
@@ -168,7 +169,12 @@ def train_report(args):
             "block_size in the run's dtype.\n\n")
     text += table(header, [train_row(attn, run, every) for attn, run in runs.items()])
     text += "\n![val loss curves](train_val_loss.png)\n" + MORE
-    return text + (step_time_vs_nanogpt(args.nanogpt, args.layouts) if args.nanogpt else '')
+    text += step_time_vs_nanogpt(args.nanogpt, args.layouts) if args.nanogpt else ''
+    if any(LAYOUTS[a].get('window') or '@' in LAYOUTS[a]['attn'] for a in args.layouts):
+        text += band_cost(args.device)
+    if 'mha' in runs:  # its checkpoint given a window, no training
+        text += retrofit(os.path.join(args.out, 'train', 'mha', 'ckpt.pt'), args.out, args.device)
+    return text
 
 
 def train_row(attn, run, every):

@@ -37,10 +37,11 @@ def band_cost(device='cpu', lengths=(256, 1024, 4096), window=256, batch=4, head
                'flex': lambda: flex(q, k, v, block_mask=blocks)}
         times = take_turns(fns, device, rounds + 1)  # round 0: the warm-up (compilation)
         ms = {name: statistics.median(t[1:]) * 1000 for name, t in times.items()}
-        rows.append(row(f"{T:,}", f"{ms['causal']:.3g}", f"{ms['sdpa']:.3g} ({ms['sdpa'] / ms['causal']:.2f}x)",
-                        f"{ms['flex']:.3g} ({ms['flex'] / ms['causal']:.2f}x)"))
+        ratio = lambda name: f"{ms[name]:.3g} ({ms[name] / ms['causal']:.2f}x)"
+        apart = (fns['flex']() - fns['sdpa']()).abs().max().item()  # the same band both ways
+        rows.append(row(f"{T:,}", f"{ms['causal']:.3g}", ratio('sdpa'), ratio('flex'), f"{apart:.0e}"))
     header = ['tokens', 'full causal (SDPA) ms', f'band of {window}, SDPA boolean mask ms',
-              f'band of {window}, FlexAttention compiled ms']
+              f'band of {window}, FlexAttention compiled ms', 'largest difference of the bands']
     return (f"\n**What the band costs**: attention alone, forward, batch {batch}, {heads} heads of "
             f"{d}, float32, on {device}, medians of {rounds} rounds taking turns (the model trains "
             "with SDPA's boolean band: FlexAttention has no backward on a CPU):\n\n"

@@ -192,6 +192,10 @@ def test_train_report_on_a_tiny_model(tmp_path, char_data):
         assert (float(final), float(best), int(at)) == (round(evals[-1]['val/loss'], 4),
                                                        round(low['val/loss'], 4), low['iter'])
     assert os.path.isfile(tmp_path / 'train' / 'mha' / 'metrics.jsonl')
+    # the MHA run past its block of 64, no training: three ways, a loss per span of positions
+    ways = re.findall(r"^\| \((a|b|c)\) .* \| ([\d.]+) \|$", out, re.M)
+    assert [w for w, _ in ways] == ['a', 'b', 'c'] and all(0 < float(v) < 10 for _, v in ways)
+    assert (tmp_path / 'retrofit.png').stat().st_size > 10_000
 
 
 @pytest.mark.slow

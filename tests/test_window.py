@@ -119,6 +119,45 @@ def test_generation_past_block_size(variant, monkeypatch):
     assert torch.equal(cached, static)
 
 
+def test_the_retrofits_teacher_forced_logits_are_what_generation_computes():
+    """bench.py train's retrofit reads a text with teacher forcing: its logits at every position
+    pick the tokens greedy generation picks, for sample.py's jump-and-re-prefill past block_size
+    and for a window."""
+    from benchmarks.windows import jumping, windowed
+    prompt = torch.randint(0, 40, (3, 5))
+    for model, logits in ((make_model('mha'), jumping), (make_model('mha', window=12, n_sink=2), windowed)):
+        tokens = model.generate(prompt, 80, temperature=0)  # block_size 32: past it
+        with torch.no_grad():
+            picked = logits(model, tokens[:, :-1]).argmax(-1)
+        assert torch.equal(picked[:, 4:], tokens[:, 5:])
+
+
+@pytest.mark.slow
+def test_a_compiled_static_cache_decodes_a_window_past_block_size():
+    """sample.py --compile, bench.py decode --compile: the ring's FlexAttention mask, compiled by
+    inductor on a CPU (which cannot read a tensor the graph computed: the positions are computed
+    inside the mask), gives the tokens of the uncached model, past block_size, in one decode graph."""
+    torch._dynamo.reset()
+    model = make_model('gqa', window=5, n_sink=2, dtype=torch.float32)
+    prompt = torch.randint(0, 40, (1, 4))
+    expected = model.generate(prompt, 50, temperature=0, use_cache=False)
+    model.compile(fullgraph=True, dynamic=False)
+    with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True):
+        tokens = stream(model, prompt, 50, temperature=0, cache=model.init_cache(1, static=True))
+        assert torch.equal(torch.cat([prompt, *tokens], 1), expected)
+    torch._dynamo.reset()
+
+
+@pytest.mark.slow
+def test_the_bands_cost_compares_one_band_computed_two_ways():
+    """bench.py train's table of the band's cost: SDPA's boolean band and FlexAttention's
+    compiled one give the same attention (their largest difference is in the table)."""
+    from benchmarks.windows import band_cost
+    text = band_cost(lengths=(256,), window=64, batch=1, heads=2, d=16, rounds=1)
+    cells = [c.strip() for c in text.strip().splitlines()[-1].strip('|').split('|')]
+    assert cells[0] == '256' and float(cells[-1]) < 1e-5, text
+
+
 # --- train.py and sample.py ------------------------------------------------------------------------
 
 @pytest.fixture(scope='module')

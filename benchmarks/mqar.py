@@ -39,7 +39,7 @@ MQAR_DATA = {'cpu': dict(vocab=256, sets=SETS, train=20000, batch=64, max_iters=
 # each layout's best peak lr of `bench.py mqar --lrs=3e-4,1e-3,3e-3` (2 seeds, 1,000 steps;
 # 2026-12-05, 82 minutes on 2 cores, results/mqar.md); the others' best: 1e-3. At 3e-3 the linear
 # rules but 'linear' stayed near chance.
-MQAR_LR = {'mha': 3e-3, 'linear': 3e-3}
+MQAR_LR = {'mha': 3e-3, 'linear': 3e-3, 'mha@8': 3e-3, 'mha@8+sinks': 3e-3}  # (windows: their layout's)
 MQAR_SWEPT = "2026-12-05's sweep --lrs=0.0003,0.001,0.003"
 # MQAR's stacks: every layout, the hybrid 1:1 on 2 layers, and windows shorter and longer than the
 # sequences (64 to 256 tokens), with and without StreamingLLM's 4 sinks. MQA at a window of 32

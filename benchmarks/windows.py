@@ -49,7 +49,7 @@ def band_cost(device='cpu', lengths=(256, 1024, 4096), window=256, batch=4, head
 
 
 @torch.no_grad()
-def retrofit(ckpt_path, out, device='cpu', length=1024, segments=16):
+def retrofit(ckpt_path, out, device='cpu', length=1024, segments=64):
     """StreamingLLM's experiment at our size, no training: a full-attention checkpoint (block_size
     B) reads val text `length` tokens long, and each position's loss is measured (a) as sample.py
     generates past B, jumping forward and re-prefilling the last B / 2 tokens, (b) with a window
@@ -76,11 +76,14 @@ def retrofit(ckpt_path, out, device='cpu', length=1024, segments=16):
     mean = lambda name, a, b: f"{losses[name][a:b].mean().item():.4f}"
     rows = [row(name, *(mean(name, a, b) for a, b in bins), mean(name, B, length)) for name in ways]
     header = ['way', *[f"tokens {a:,}-{b - 1:,}" for a, b in bins], f"all past {B}"]
-    smooth = lambda t: t.unfold(0, 16, 16).mean(1).tolist()
-    lines = [(list(range(8, length, 16)), smooth(losses[name]), name, dict()) for name in ways]
+    every = B // 2  # positions a point
+    smooth = {name: loss.unfold(0, every, every).mean(1).tolist() for name, loss in losses.items()}
+    lines = [(list(range(every // 2, length, every)), smooth[name], name, dict()) for name in ways]
+    ends = [min(map(min, smooth.values())), max(map(max, smooth.values()))]
+    lines.append(([B, B], ends, f'block_size {B}: trained up to here', dict(color='gray', ls=':')))
     plot(os.path.join(out, 'retrofit.png'), lines, dict(fontsize=8),
          title=f'a full-attention model (block {B}) past its block, no training',
-         xlabel='position in the text (tokens)', ylabel='val loss (mean of 16 positions)')
+         xlabel='position in the text (tokens)', ylabel=f'val loss (mean of {every} positions)')
     return (f"\n**Retrofit without training** (StreamingLLM's experiment at our size): the MHA run's "
             f"ckpt.pt (trained on blocks of {B}) reads {segments} val texts of {length:,} tokens; "
             "each position's loss, the mean over the texts and over the positions of a column "

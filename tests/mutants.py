@@ -1,5 +1,5 @@
 """Deliberate one-line bugs in model.py and the files of its maths (ops/: softmax.py, mla.py,
-linear.py, cache.py, sampling.py), and in the scripts' code around it (checkpoints, flags,
+linear.py, window.py, cache.py, sampling.py), and in the scripts' code around it (checkpoints, flags,
 conversion, sampling, the schedule, bench), each run against the tests: how many does the suite
 catch?
 
@@ -20,7 +20,7 @@ import sys
 import tempfile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-FILES = ('model.py', 'ops/softmax.py', 'ops/mla.py', 'ops/linear.py', 'ops/cache.py',
+FILES = ('model.py', 'ops/softmax.py', 'ops/mla.py', 'ops/linear.py', 'ops/window.py', 'ops/cache.py',
          'ops/sampling.py', 'run/checkpoint.py', 'run/convert.py', 'run/optim.py', 'train.py',
          'sample.py', 'configurator.py', 'benchmarks/mqar.py', 'benchmarks/decode.py')
 # no train.py runs; the quick files first, so that -x stops a caught mutant early
@@ -177,6 +177,34 @@ MUTANTS = [  # (what the bug is, the fragment, its replacement[, the tests that 
     ("cosine_lr: back up to the peak past lr_decay_iters",
      "    if it > lr_decay_iters:\n        return min_lr\n", "",
      ['test_train.py::test_the_learning_rate_decays_to_min_lr_and_stays_there']),
+    # issue #63's: the window bugs seen in the wild
+    ("window: W + 1 keys (FlashAttention's window_size=(W, 0))",
+     "((i - j < window) | (j < n_sink))", "((i - j <= window) | (j < n_sink))",
+     ['test_window.py::test_the_band_is_the_convention_written_out', 'test_reference.py']),
+    ("window: the sinks seen before their position",
+     "(j >= 0) & (j <= i) & ((i - j < window) | (j < n_sink))",
+     "(j >= 0) & ((j <= i) & (i - j < window) | (j < n_sink))",
+     ['test_window.py::test_the_band_is_the_convention_written_out', 'test_cache.py']),
+    ("ring: a chunk written before it attends (its first queries lose keys)",
+     "keys = [torch.cat([buf, x], dim=2) for buf, x in zip(keys, xs)]  # (copies)",
+     "self.write(pos, xs); keys = [torch.cat([buf, x], dim=2) for buf, x in zip(keys, xs)]",
+     ['test_cache.py']),
+    ("ring: a decode step's slots read as before its write",
+     "held(pos + 1, slots, W, n_sink) if L == 1", "held(pos, slots, W, n_sink) if L == 1",
+     ['test_cache.py']),
+    ("ring: a static chunk's slots read as after its write",
+     "held(pos + (L == 1), j, window, n_sink)", "held(pos + L, j, window, n_sink)",
+     ['test_cache.py']),
+    ("window: the cache not bounded (block_size slots)",
+     "return self.n_sink + self.window if self.window else capacity", "return capacity",
+     ['test_window.py::test_a_windowed_cache_keeps_n_sink_plus_w_slots_whatever_the_length']),
+    ("window: the global layers windowed too",
+     "zip(config.layouts, config.windows)", "zip(config.layouts, [max(config.windows)] * config.n_layer)",
+     ['test_reference.py::test_a_local_global_stack_windows_only_its_local_layers']),
+    ("window: an endless stack re-prefilled at block_size anyway",
+     "block_size = math.inf if model.config.endless else model.config.block_size",
+     "block_size = model.config.block_size",
+     ['test_window.py::test_generation_past_block_size']),
 ]
 
 

@@ -23,7 +23,7 @@ from ops.linear_fla import fla_runs, linear_fla
 from ops.mla import attend_absorbed, attend_materialized
 from ops.sampling import stream
 from ops.softmax import apply_rope, attend, rope_table
-from ops.window import band
+from ops.window import band, kept
 
 # The linear layouts, the founding chapter's table: each keeps a fixed state S per head and rewrites
 # it every token,
@@ -54,8 +54,8 @@ LAYER_FIELDS = {'n_kv_head': 0, 'kv_lora_rank': 0, 'rope_head_dim': 0, 'q_lora_r
 FIELD_RULES = [  # GPTConfig's rules of one field, checked after the types: (fields, rule, message)
     (('block_size', 'vocab_size', 'n_layer', 'n_head', 'n_embd', 'chunk_size', 'conv_size'), lambda n: n >= 1,
      "must be >= 1"),
-    (('n_kv_head', 'kv_lora_rank', 'rope_head_dim', 'q_lora_rank', 'window', 'n_sink'), lambda n: n >= 0,
-     "must be >= 0"),
+    (('n_kv_head', 'kv_lora_rank', 'rope_head_dim', 'q_lora_rank', 'window', 'n_sink'),
+     lambda n: n >= 0, "must be >= 0"),
     (('dropout',), lambda p: 0 <= p < 1, "must be in [0, 1)"),
     (('rope_base',), lambda b: 0 < b < math.inf, "must be a finite number > 0"),
     (('pos_emb',), lambda s: s in ('rope', 'learned'), "must be 'rope' or 'learned'"),
@@ -75,8 +75,8 @@ class GPTConfig:
     gelu_tanh: bool = False    # the MLP's GELU by its tanh approximation (GPT-2's 'gelu_new')
     attn: str = 'mha'          # a layout, or a hybrid 'gated_deltanet*3+gqa': per layer, repeated;
                                # 'gqa@512*5+gqa': a layer's own window (Gemma 3's 5 local : 1 global)
-    window: int = 0            # every softmax layer sees its `window` most recent keys, itself included
-    n_sink: int = 0            # windowed layers also see the first n_sink keys (StreamingLLM's sinks)
+    window: int = 0            # every softmax layer sees its `window` latest keys, itself included
+    n_sink: int = 0            # windowed layers see the first n_sink keys too (StreamingLLM's sinks)
     n_kv_head: int = 0         # K/V heads; 0 = mha n_head, gqa n_head's smallest divisor > 1, mqa 1
     pos_emb: str = 'rope'      # 'rope', or nanoGPT's 'learned' absolute positions
     rope_base: float = 10000.0  # RoPE's base θ: pair i turns at θ^(-2i/d) per position
@@ -134,7 +134,8 @@ class GPTConfig:
             if at and name in LINEAR_RULES:
                 self.bad('attn', f"{part!r}: a window is for softmax layers ({name} keeps a fixed "
                          "state)")
-            layers.append((name, int(w) if at else self.window * (name not in LINEAR_RULES), int(n or 1)))
+            window = int(w) if at else self.window * (name not in LINEAR_RULES)
+            layers.append((name, window, int(n or 1)))
         if (length := sum(n for *_, n in layers)) > self.n_layer:
             self.bad('attn', f"has {length} layers, more than n_layer={self.n_layer}")
         return [(name, window) for name, window, n in layers for _ in range(n)]
@@ -175,9 +176,9 @@ class GPTConfig:
                      "window (window=W, or attn's '@W')")
         if windows and max(windows) + self.n_sink >= self.block_size:
             sinks = f" and {self.n_sink} sinks" * bool(self.n_sink)
-            self.bad('window' if self.window else 'attn', f"{max(windows)} keys{sinks} see all of a "
-                     f"block_size={self.block_size} sequence: a window must be < block_size - n_sink "
-                     "(full attention: none)")
+            self.bad('window' if self.window else 'attn', f"{max(windows)} keys{sinks} see all "
+                     f"of a block_size={self.block_size} sequence: a window must be < block_size - "
+                     "n_sink (full attention: none)")
 
     @property
     def endless(self):
@@ -202,13 +203,15 @@ class GPTConfig:
         used = self.layer_fields() | ({'rope_base'} if self.pos_emb == 'rope' and self.softmax else set())
         used |= {'window'} if self.softmax else set()
         used |= {'n_sink'} if any(w for _, w in self.period()) else set()
-        per_layout = {*LAYER_FIELDS, 'chunk_size', 'linear_kernels', 'rope_base', 'window', 'n_sink'}
+        per_layout = {*LAYER_FIELDS, 'chunk_size', 'linear_kernels', 'rope_base', 'window',
+                      'n_sink'}
         return [f.name for f in fields(self) if f.name not in per_layout - used]
 
     def cache_elements(self, T, layout=None, window=0):
-        """Elements cached after T tokens (batch 1), all layers' or one layer's: the README's table."""
+        """Elements cached after T tokens (batch 1), all layers', or a layer's: the README's table."""
         if layout is None:
-            return sum(n * self.cache_elements(T, *a) for a, n in self.layer_counts(windows=True).items())
+            layers = self.layer_counts(windows=True).items()
+            return sum(n * self.cache_elements(T, *layer) for layer, n in layers)
         return LAYOUTS[layout].cache_elements(self, layout, T, window)
 
     def cache_bytes(self, T, dtype=torch.float32):  # a linear layout's state: float32 at least
@@ -221,7 +224,7 @@ class GPTConfig:
 
 class Attention(nn.Module):
     """What the layouts share: heads() splits heads, out() merges them via c_proj (built last: the
-    init's order); a softmax layer's window (0: none) and sinks, band() and slots()."""
+    init's order); a softmax layer's window (0: none) and sinks."""
 
     def __init__(self, config, window=0):
         super().__init__()
@@ -229,13 +232,10 @@ class Attention(nn.Module):
         self.dropout, self.resid_dropout = config.dropout, nn.Dropout(config.dropout)
         self.window, self.n_sink = window, config.n_sink if window else 0
 
-    def band(self, L, device):
+    def uncached_mask(self, L, device):
         """The mask of L tokens at 0..L-1 without a cache: None (causal), or the window's band."""
         positions = torch.arange(L, device=device)
         return band(positions, positions, self.window, self.n_sink) if self.window else None
-
-    def slots(self, capacity):  # a cache's positions: a windowed layer's ring, else capacity
-        return self.n_sink + self.window if self.window else capacity
 
     @property
     def dropout_p(self):  # attention's dropout, in training only
@@ -268,8 +268,7 @@ class CausalSelfAttention(Attention):
 
     @staticmethod
     def cache_elements(c, layout, T, window=0):  # K and V of the n_kv_head heads (a window's last)
-        T = min(T, c.n_sink + window) if window else T
-        return kv_elements(T, c.n_kv_head, c.head_dim, c.head_dim)
+        return kv_elements(kept(T, window, c.n_sink), c.n_kv_head, c.head_dim, c.head_dim)
 
     def __init__(self, config, layout=None, window=0):
         super().__init__(config, window)
@@ -284,13 +283,14 @@ class CausalSelfAttention(Attention):
         qk = apply_rope(qkv[:, :H + H_kv], rope)        # queries and keys rotated in one call
         q, k, v = qk[:, :H], qk[:, H:], qkv[:, H + H_kv:]
         if cache is None:  # causal, or the window's band
-            mask = self.band(x.size(1), x.device)
+            mask = self.uncached_mask(x.size(1), x.device)
         else:
             k, v, mask = cache.update(pos, k, v)  # (B, n_kv, S, hs): every key the mask covers
         return self.out(attend(q, k, v, dropout_p=self.dropout_p, mask=mask))  # (B, nh, L, hs)
 
     def init_cache(self, batch_size, capacity, dtype, device):
-        shape = (batch_size, self.n_kv_head, self.slots(capacity), self.head_dim)
+        slots = kept(capacity, self.window, self.n_sink)  # a windowed layer's: a ring
+        shape = (batch_size, self.n_kv_head, slots, self.head_dim)
         return LayerCache(dtype, device, window=self.window, n_sink=self.n_sink, k=shape, v=shape)
 
 class LinearAttention(Attention):
@@ -400,7 +400,7 @@ class MultiHeadLatentAttention(Attention):
 
     @staticmethod
     def cache_elements(c, layout, T, window=0):  # [c | k_R], shared by every head (a window's last)
-        return latent_elements(min(T, c.n_sink + window) if window else T, c.kv_lora_rank, c.rope_head_dim)
+        return latent_elements(kept(T, window, c.n_sink), c.kv_lora_rank, c.rope_head_dim)
 
     def __init__(self, config, layout=None, window=0):
         super().__init__(config, window)
@@ -425,13 +425,13 @@ class MultiHeadLatentAttention(Attention):
         latent = torch.cat([self.kv_norm(c), apply_rope(k_rope, rope)], dim=-1)  # (B, 1, L, dc+dR)
         k_up, v_up, scale, dropout_p = self.k_up, self.v_up, self.scale, self.dropout_p
         if cache is None:  # training, and uncached generation: K and V formed per head
-            mask = self.band(x.size(1), x.device)
+            mask = self.uncached_mask(x.size(1), x.device)
             return self.out(attend_materialized(q, latent, k_up, v_up, scale, dropout_p, mask))
         latent, mask = cache.update(pos, latent)  # (B, 1, S, dc + dR): every latent the mask covers
         return self.out(attend_absorbed(q, latent, k_up, v_up, scale, dropout_p, mask))
 
     def init_cache(self, batch_size, capacity, dtype, device):
-        latent = (batch_size, 1, self.slots(capacity), self.dc + self.dR)
+        latent = (batch_size, 1, kept(capacity, self.window, self.n_sink), self.dc + self.dR)
         return LayerCache(dtype, device, window=self.window, n_sink=self.n_sink, latent=latent)
 
 # Every layout, and its class: configure(config, layout) checks a config and fills in the layout's
@@ -490,7 +490,8 @@ class GPT(nn.Module):
         self.transformer = nn.ModuleDict(dict(
             wte=nn.Embedding(config.vocab_size, config.n_embd),
             drop=nn.Dropout(config.dropout),
-            h=nn.ModuleList([Block(config, *layer) for layer in zip(config.layouts, config.windows)]),
+            h=nn.ModuleList([Block(config, layout, window)
+                             for layout, window in zip(config.layouts, config.windows)]),
             ln_f=nn.LayerNorm(config.n_embd, bias=config.bias),
         ))
         if config.pos_emb == 'learned':
@@ -522,8 +523,8 @@ class GPT(nn.Module):
         return rope_table(self.rope_dim, positions, self.config.rope_base) if self.rope_dim else None
 
     def init_cache(self, batch_size, dtype=None, device=None, static=False):
-        """An empty cache for batch_size sequences of up to block_size tokens (of any length if every
-        softmax layer is windowed: config.endless). static=True: fixed shapes for torch.compile /
+        """An empty cache for batch_size sequences of up to block_size tokens (any length, every
+        softmax layer windowed: config.endless). static=True: fixed shapes for torch.compile /
         CUDA graphs; its position is never read on the host, so block_size is the caller's to
         keep."""
         p = self.lm_head.weight
@@ -534,7 +535,7 @@ class GPT(nn.Module):
         """idx (B, L): tokens at 0..L-1, or with a cache the L after the len(cache) it holds."""
         B, L = idx.size()
         pos = cache.pos if cache is not None else 0  # a static cache's is a tensor, never read here
-        too_long = not torch.is_tensor(pos) and pos + L > self.config.block_size and not self.config.endless
+        too_long = not (torch.is_tensor(pos) or self.config.endless) and pos + L > self.config.block_size
         if L == 0 or too_long:  # (0: no input)
             raise ValueError(f"cannot feed {L} tokens at position {pos}: block_size is {self.config.block_size}")
         positions = torch.arange(L, device=idx.device) + pos  # (L,)

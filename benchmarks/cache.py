@@ -92,8 +92,8 @@ def cache_report(layouts=LAYOUTS):
         ratios.append(f"{cache.nbytes / formula:.3f}")
         if per_token:  # (a hybrid: and its linear layers' state)
             window = max(cfg.windows)  # (its windowed layers stop there)
-            per_token_fp16[name] = (f"{fp16:,}" + " + a fixed state" * bool(state)
-                                    + f" (its windowed layers: {window} tokens at most)" * bool(window))
+            stops = f" (its windowed layers: {window} tokens at most)" * bool(window)
+            per_token_fp16[name] = f"{fp16:,}" + " + a fixed state" * bool(state) + stops
         else:  # a linear layout: nothing per token
             states.append(formula)
     mla = GPTConfig(attn='mla')  # the sizes its layers get
@@ -161,7 +161,8 @@ def model_rows(m, args):
             rows.append((name.split(',')[0], why, None, None))
             continue
         first = cfg.cache_bytes(1, args.dtype) - cfg.cache_bytes(0, args.dtype)
-        rows.append((name, keeps(cfg), first, [cfg.cache_bytes(T, args.dtype) * B for T in args.context]))
+        totals = [cfg.cache_bytes(T, args.dtype) * B for T in args.context]
+        rows.append((name, keeps(cfg), first, totals))
     return rows
 
 
@@ -196,7 +197,7 @@ def models_line(models, args):
     T, size, windowed = args.context[-1], args.dtype.itemsize, [m for m in models if m.windowed]
     if windowed:
         kept = lambda m, windows=True: f"{m.cache_bytes(T, size, windows) * args.batch / GiB:,.2f}"
-        line += (f" At {T:,} tokens their windows keep " + ", ".join(
-            f"{m.name} at {kept(m)} GiB ({kept(m, False)} were every layer global)" for m in windowed)
-            + ".")
+        said = [f"{m.name} at {kept(m)} GiB ({kept(m, False)} were every layer global)"
+                for m in windowed]
+        line += f" At {T:,} tokens their windows keep {', '.join(said)}."
     return line

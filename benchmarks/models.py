@@ -153,11 +153,12 @@ def qwen3_next(c):  # 3 Gated DeltaNet layers to 1 gated softmax layer, MoE MLPs
 
 def gemma(c):  # gemma2, gemma3_text: local and global layers, GeGLU MLPs, 4 norms a layer
     C, H, L, d = c['hidden_size'], c['num_attention_heads'], c['num_hidden_layers'], c['head_dim']
-    kv, I, three = c.get('num_key_value_heads') or H, c['intermediate_size'], c['model_type'] != 'gemma2'
+    kv, I = c.get('num_key_value_heads') or H, c['intermediate_size']
+    three = c['model_type'] != 'gemma2'
     if c.get('use_bidirectional_attention'):
-        raise ModelError("use_bidirectional_attention: an encoder's window (half of it either side) "
-                         "is not read here")
-    # Gemma 2 alternates local and global; Gemma 3 has 5 local to 1 global (its old configs' pattern)
+        raise ModelError("use_bidirectional_attention: an encoder's window (half of it either "
+                         "side) is not read here")
+    # Gemma 2 alternates local and global; Gemma 3 has 5 local to 1 global (its older configs say so)
     every = c.get('sliding_window_pattern', 6) if three else 2
     types = c.get('layer_types') or [
         'full_attention' if (i + 1) % every == 0 else 'sliding_attention' for i in range(L)]

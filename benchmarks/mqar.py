@@ -39,12 +39,14 @@ MQAR_DATA = {'cpu': dict(vocab=256, sets=SETS, train=20000, batch=64, max_iters=
 # each layout's best peak lr of `bench.py mqar --lrs=3e-4,1e-3,3e-3` (2 seeds, 1,000 steps;
 # 2026-12-05, 82 minutes on 2 cores, results/mqar.md); the others' best: 1e-3. At 3e-3 the linear
 # rules but 'linear' stayed near chance.
-MQAR_LR = {'mha': 3e-3, 'linear': 3e-3, 'mha@8': 3e-3, 'mha@8+sinks': 3e-3}  # (windows: their layout's)
+# (the windowed stacks: their layout's)
+MQAR_LR = {'mha': 3e-3, 'linear': 3e-3, 'mha@8': 3e-3, 'mha@8+sinks': 3e-3}
 MQAR_SWEPT = "2026-12-05's sweep --lrs=0.0003,0.001,0.003"
 # MQAR's stacks: every layout, the hybrid 1:1 on 2 layers, and windows shorter and longer than the
 # sequences (64 to 256 tokens), with and without StreamingLLM's 4 sinks. MQA at a window of 32
 # keys and MHA at 8 keep 2,048 elements a sequence, as much as the linear rules' state.
-WINDOWS = {'mqa@32': dict(attn='mqa', window=32), 'mqa@32+sinks': dict(attn='mqa', window=32, n_sink=4),
+WINDOWS = {'mqa@32': dict(attn='mqa', window=32),
+           'mqa@32+sinks': dict(attn='mqa', window=32, n_sink=4),
            'mqa@128': dict(attn='mqa', window=128), 'mha@8': dict(attn='mha', window=8),
            'mha@8+sinks': dict(attn='mha', window=8, n_sink=4)}
 MQAR_LAYOUTS = {**{a: f for a, f in LAYOUTS.items() if a not in ('sliding', 'local_global')},

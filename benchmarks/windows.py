@@ -20,7 +20,8 @@ from run.checkpoint import read_checkpoint, weights
 
 
 @torch.no_grad()
-def band_cost(device='cpu', lengths=(256, 1024, 4096), window=256, batch=4, heads=6, d=64, rounds=5):
+def band_cost(device='cpu', lengths=(256, 1024, 4096), window=256, batch=4, heads=6, d=64,
+              rounds=5):
     """Attention alone, forward, at each length: full causal attention (SDPA's is_causal), the
     band as SDPA's boolean mask (the model's training path: every pair computed, then masked), and
     the band as FlexAttention compiled (only the blocks it touches). A table."""
@@ -39,7 +40,8 @@ def band_cost(device='cpu', lengths=(256, 1024, 4096), window=256, batch=4, head
         ms = {name: statistics.median(t[1:]) * 1000 for name, t in times.items()}
         ratio = lambda name: f"{ms[name]:.3g} ({ms[name] / ms['causal']:.2f}x)"
         apart = (fns['flex']() - fns['sdpa']()).abs().max().item()  # the same band both ways
-        rows.append(row(f"{T:,}", f"{ms['causal']:.3g}", ratio('sdpa'), ratio('flex'), f"{apart:.0e}"))
+        rows.append(row(f"{T:,}", f"{ms['causal']:.3g}", ratio('sdpa'), ratio('flex'),
+                        f"{apart:.0e}"))
     header = ['tokens', 'full causal (SDPA) ms', f'band of {window}, SDPA boolean mask ms',
               f'band of {window}, FlexAttention compiled ms', 'largest difference of the bands']
     return (f"\n**What the band costs**: attention alone, forward, batch {batch}, {heads} heads of "
@@ -60,8 +62,8 @@ def retrofit(ckpt_path, out, device='cpu', length=1024, segments=64):
     data_dir = run['data_dir'] or os.path.join(ROOT, 'data', run['dataset'])
     data = np.memmap(os.path.join(data_dir, 'val.bin'), dtype=np.uint16, mode='r')
     starts = np.linspace(0, len(data) - length - 2, segments).astype(int)
-    x, y = (torch.from_numpy(np.stack([data[s + i:s + i + length] for s in starts]).astype(np.int64))
-            .to(device) for i in (0, 1))
+    texts = lambda i: np.stack([data[s + i:s + i + length] for s in starts]).astype(np.int64)
+    x, y = (torch.from_numpy(texts(i)).to(device) for i in (0, 1))  # the texts, and their next tokens
     ways = {'(a) jump and re-prefill': (None, 0), f'(b) window of {B - 4}': (B - 4, 0),
             f'(c) window of {B - 8} + 4 sinks': (B - 8, 4)}
     losses = {}
@@ -70,9 +72,10 @@ def retrofit(ckpt_path, out, device='cpu', length=1024, segments=64):
         model = GPT(replace(cfg, window=window or 0, n_sink=n_sink)).to(device)
         model.load_state_dict(state)
         logits = jumping(model.eval(), x) if window is None else windowed(model.eval(), x)
-        losses[name] = F.cross_entropy(logits.transpose(1, 2).float(), y, reduction='none').mean(0).cpu()
-    bins = [(0, B)] + [(B * 2 ** i, min(length, B * 2 ** (i + 1))) for i in range(length.bit_length())
-                       if B * 2 ** i < length]
+        loss = F.cross_entropy(logits.transpose(1, 2).float(), y, reduction='none')  # (texts, length)
+        losses[name] = loss.mean(0).cpu()
+    doubling = [B * 2 ** i for i in range(length.bit_length()) if B * 2 ** i < length]
+    bins = [(0, B)] + [(a, min(length, 2 * a)) for a in doubling]
     mean = lambda name, a, b: f"{losses[name][a:b].mean().item():.4f}"
     rows = [row(name, *(mean(name, a, b) for a, b in bins), mean(name, B, length)) for name in ways]
     header = ['way', *[f"tokens {a:,}-{b - 1:,}" for a, b in bins], f"all past {B}"]
@@ -84,8 +87,8 @@ def retrofit(ckpt_path, out, device='cpu', length=1024, segments=64):
     plot(os.path.join(out, 'retrofit.png'), lines, dict(fontsize=8),
          title=f'a full-attention model (block {B}) past its block, no training',
          xlabel='position in the text (tokens)', ylabel=f'val loss (mean of {every} positions)')
-    return (f"\n**Retrofit without training** (StreamingLLM's experiment at our size): the MHA run's "
-            f"ckpt.pt (trained on blocks of {B}) reads {segments} val texts of {length:,} tokens; "
+    return (f"\n**Retrofit without training** (StreamingLLM's experiment at our size): the MHA "
+            f"run's ckpt.pt (trained on blocks of {B}) reads {segments} val texts of {length:,} tokens; "
             "each position's loss, the mean over the texts and over the positions of a column "
             "(positions are absolute: the sinks' distance grows with the text):\n\n"
             + table(header, rows) + "\n![retrofit: loss by position](retrofit.png)\n")

@@ -63,8 +63,12 @@ class LayerCache:
         self.write(pos, xs)
         if torch.is_tensor(pos):
             return *keys, ring_block_mask(pos, L, R, keys[0].size(2), W, n_sink)
-        q_pos, slots = (torch.arange(a, b, device=self.device) for a, b in ((pos, pos + L), (0, R)))
-        k_pos = held(pos + 1, slots, W, n_sink) if L == 1 else torch.cat([held(pos, slots, W, n_sink), q_pos])
+        q_pos = torch.arange(pos, pos + L, device=self.device)
+        slots = torch.arange(R, device=self.device)
+        if L == 1:  # the slots after this token's write
+            k_pos = held(pos + 1, slots, W, n_sink)
+        else:  # the slots before the chunk's write, then the chunk
+            k_pos = torch.cat([held(pos, slots, W, n_sink), q_pos])
         return *keys, band(q_pos, k_pos, W, n_sink)
 
     def write(self, pos, xs):

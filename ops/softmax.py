@@ -52,8 +52,9 @@ def filled(pos, L, S, block=128):
 
 def attend(q, k, v, scale=None, dropout_p=0.0, mask=None):
     """softmax(q kᵀ * scale + mask) v. q (B, nh, L, d), k (B, n_kv, S, d), v (B, n_kv, S, dv);
-    n_kv divides nh (groups share a K/V head). mask (L, S), True = seen (a window's band: ops/window.py);
-    None = causal with the L queries the LAST L of the S keys; or a static cache's BlockMask."""
+    n_kv divides nh (groups share a K/V head). mask (L, S), True = seen (a window's band:
+    ops/window.py); None = causal with the L queries the LAST L of the S keys; or a static cache's
+    BlockMask."""
     (B, H, L, D), (H_kv, S) = q.shape, k.shape[1:3]
     gqa = H != H_kv
     # split-KV over the filled blocks; compiled, one fused kernel (eager: a reference)

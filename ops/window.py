@@ -33,6 +33,11 @@ def sees(i, j, window, n_sink=0):
     return (j >= 0) & (j <= i) & ((i - j < window) | (j < n_sink))
 
 
+def kept(T, window, n_sink=0):
+    """How many of T tokens a layer keeps: all (window 0), or its W latest and its first n_sink."""
+    return min(T, n_sink + window) if window else T
+
+
 def band(q_pos, k_pos, window, n_sink=0):
     """The (L, S) mask, True = seen, of queries at positions q_pos (L,) over keys at k_pos (S,)."""
     return sees(q_pos[:, None], k_pos[None, :], window, n_sink)
@@ -47,7 +52,7 @@ def held(seen, j, window, n_sink=0):
     """The position slot j (a tensor) holds once positions 0 .. seen - 1 were written: the latest
     that maps to it, or -1 (empty)."""
     last = seen - 1
-    p = last - (last - j) % window  # (for a window slot: j - n_sink = (p - n_sink) mod W)
+    p = last - (last - j) % window  # the latest p <= last with p = j mod W: slot j's, j >= n_sink
     return torch.where(j < n_sink, torch.where(j < seen, j, -1), torch.where(p >= n_sink, p, -1))
 
 

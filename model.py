@@ -188,6 +188,11 @@ class GPTConfig:
         return self.pos_emb == 'rope' and bool(softmax) and all(softmax)
 
     @property
+    def stack(self):  # attn, with the window and sinks its layers have: 'gqa, window 16 + 4 sinks'
+        sinks = f" + {self.n_sink} sinks" * bool(self.n_sink)
+        return self.attn + f", window {self.window}" * bool(self.window) + sinks
+
+    @property
     def softmax(self):  # the softmax layout of the stack, or None if every layer is linear
         return next((a for a in self.pattern() if a not in LINEAR_RULES), None)
 
@@ -449,7 +454,8 @@ def mlp_hidden(config):
         return 4 * config.n_embd
     with torch.device('meta'):  # counted, not allocated; MHA without RoPE's even head_dim rule
         count = lambda cfg, a: sum(p.numel() for p in LAYOUTS[a](cfg, a).parameters())
-        mha = replace(config, attn='mha', **LAYER_FIELDS, pos_emb='learned', match_mha_params=False)
+        mha = replace(config, attn='mha', **LAYER_FIELDS, pos_emb='learned', match_mha_params=False,
+                      window=0, n_sink=0)
         extra = sum(n * (count(mha, 'mha') - count(config, a)) for a, n in config.layer_counts().items())
         extra /= config.n_layer
     # each unit costs a row of c_fc and a column of c_proj (and a bias of c_fc)

@@ -43,6 +43,7 @@ top_k = 200                # keep the k most likely tokens (>= vocab_size: no fi
 top_p = 1.0                # nucleus sampling; 1.0 = off
 seed = 1337                # of the sampling (the sample train.py logs at iteration N: its seed + N)
 use_cache = True           # KV cache (or the layout's state); False re-runs the window every token
+                           # (every softmax layer windowed: the whole text)
 compare = False            # generate with and without the cache and print a comparison table
 device = 'cuda' if torch.cuda.is_available() else 'cpu'  # cpu, cuda or cuda:N
 dtype = default_dtype()    # weights, cache
@@ -144,7 +145,7 @@ if not torch.equal(with_cache, without):
 held = len(cache)  # tokens: past block_size the window slides, and the cache is refilled
 state = cfg.cache_elements(0) > 0  # the linear layers' fixed state
 formula = f"{cfg.cache_bytes(held, ptdtype) / held:,.1f}"
-table = {'layout': cfg.attn, 'device / dtype': f"{device} / {dtype}", 'tokens identical': identical,
+table = {'layout': cfg.stack, 'device / dtype': f"{device} / {dtype}", 'tokens identical': identical,
          'tokens/s with cache': spread('with'), 'tokens/s without cache': spread('without'),
          'speedup (medians)': f"{speed['with'][1] / speed['without'][1]:.2f}x",
          f'cache bytes at the end ({held} tokens x {num_samples} samples)': f"{cache.nbytes:,}",

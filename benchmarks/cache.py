@@ -172,15 +172,20 @@ def model_section(m, args):
     longest = f' at {args.context[-1]:,}' * (len(args.context) > 1)
     header = ['layout', 'what each layer keeps', 'KiB / token', *map(at, args.context),
               f'cache / weights{longest}' * bool(weights)]
-    lines = []
+    lines, reach = [], lambda T: not m.context or T <= m.context  # (past it: not a model's cache)
     for name, what, per_tok, totals in model_rows(m, args):
-        gib = ['—'] * len(args.context) if totals is None else [f"{t / GiB:,.2f}" for t in totals]
-        ratio = [f"{totals[-1] / weights:.2f}" if totals else '—'] if weights else []
+        totals = totals and [t if reach(T) else None for T, t in zip(args.context, totals)]
+        gib = [f"{t / GiB:,.2f}" if t is not None else '—' for t in totals or [None] * len(args.context)]
+        ratio = [f"{totals[-1] / weights:.2f}" if totals and totals[-1] else '—'] if weights else []
         lines.append(row(name, what, '—' if per_tok is None else kib(per_tok), *gib, *ratio))
     count = f"{m.params / 1e9:,.1f}B" if m.params >= 1e9 else f"{m.params / 1e6:,.1f}M"
     about = (f"{count} parameters, {weights / GiB:,.1f} GiB of weights at "
              f"{args.dtype.itemsize * 8} bits; " if weights else '')
     notes = ''.join(f"; {n}" for n in m.notes)
+    if not all(map(reach, args.context)):
+        notes += f"; — past its max_position_embeddings, {m.context:,} tokens"
+    if m.windowed:
+        notes += "; its windowed layers stop adding KiB / token once their windows are full"
     return (f"\n**{m.name}**: {about}{m.n_layer} layers, {m.n_head} query heads of {m.head_dim}; "
             f"caches at {args.dtype.itemsize * 8} bits{notes}.\n\n"
             + table([h for h in header if h], lines))
@@ -188,16 +193,18 @@ def model_section(m, args):
 
 def models_line(models, args):
     """The README's line: what each published model keeps per token, and what its windows keep at
-    the longest --context."""
+    its longest context (the longest --context, or its max_position_embeddings if shorter)."""
     state = lambda m: ' + a fixed state' * any(state for _, _, _, state, _ in m.groups)
     said = [f"{m.name} {kib(model_rows(m, args)[0][2])}{state(m)}" for m in models]
     line = (f"The configs in {args.models}, as published, KiB per token at "
             f"{args.dtype.itemsize * 8} bits: {', '.join(said)}; each next to its weights and "
             "re-laid out as our layouts in the whole report.")
-    T, size, windowed = args.context[-1], args.dtype.itemsize, [m for m in models if m.windowed]
-    if windowed:
-        kept = lambda m, windows=True: f"{m.cache_bytes(T, size, windows) * args.batch / GiB:,.2f}"
-        said = [f"{m.name} at {kept(m)} GiB ({kept(m, False)} were every layer global)"
-                for m in windowed]
-        line += f" At {T:,} tokens their windows keep {', '.join(said)}."
+    size, windowed = args.dtype.itemsize, [m for m in models if m.windowed]
+    longest = lambda m: min(args.context[-1], m.context or args.context[-1])
+    gib = lambda m, windows=True: m.cache_bytes(longest(m), size, windows) * args.batch / GiB
+    said = [f"{m.name} {gib(m):,.2f} GiB at {longest(m):,} ({gib(m, False):,.2f} were every layer "
+            "global)" for m in windowed]
+    if said:
+        line += (f" With their windows, at their longest context (up to {args.context[-1]:,} "
+                 f"tokens): {', '.join(said)}.")
     return line

@@ -29,6 +29,7 @@ class Published:
     head_dim: int
     notes: list = field(default_factory=list)
     name: str = ''
+    context: int = 0          # its max_position_embeddings (0: not given)
     source: str = ''          # the config.json, or '' (a model given by its sizes)
 
     def cache_bytes(self, T, itemsize, windows=True):
@@ -189,7 +190,7 @@ FAMILIES = {'llama': llama, 'mistral': llama, 'qwen2': llama, 'qwen3': llama, 'f
             'qwen3_next': qwen3_next, 'gemma2': gemma, 'gemma3_text': gemma, 'gpt_oss': gpt_oss}
 SIZE_FIELDS = {'hidden_size', 'num_attention_heads', 'num_hidden_layers', 'vocab_size',
                'num_key_value_heads', 'head_dim', 'intermediate_size', 'sliding_window', 'n_embd',
-               'n_head', 'n_layer', 'n_positions', 'n_inner', 'ffn_hidden_size', 'kv_lora_rank',
+               'n_head', 'n_layer', 'n_positions', 'max_position_embeddings', 'n_inner', 'ffn_hidden_size', 'kv_lora_rank',
                'q_lora_rank', 'qk_rope_head_dim', 'qk_nope_head_dim', 'v_head_dim',
                'n_routed_experts', 'n_shared_experts', 'moe_intermediate_size',
                'first_k_dense_replace', 'num_experts', 'shared_expert_intermediate_size',
@@ -239,6 +240,7 @@ def read_config(path):
     if name == 'config':
         name = os.path.basename(os.path.dirname(os.path.abspath(path)))
     model.name, model.source = name, path
+    model.context = c.get('max_position_embeddings') or c.get('n_positions') or 0
     return model
 
 

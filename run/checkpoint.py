@@ -338,7 +338,7 @@ def to_sample(out_dir, device):
         val_loss = ckpt.get('val_loss')  # (last.pt's were not evaluated)
         val = f", val loss {val_loss:.4f}" if isinstance(val_loss, float) else ""
         age = duration(time.time() - os.path.getmtime(path))
-        print(f"sampling {path}: {config.attn}, trained on {trained_on(ckpt)}, "
+        print(f"sampling {path}: {config.stack}, trained on {trained_on(ckpt)}, "
               f"iteration {ckpt.get('iter_num')}{val}, saved {age} ago", file=sys.stderr)
     if picked and (others := other_data(path, ckpt)):
         print(f"note: ./out*/ also holds runs on other data ({others}): pick one with --out_dir",

@@ -893,6 +893,11 @@ def test_published_models_caches():
     state = 36 * (32 * 128 * 128 + (2 * 16 * 128 + 32 * 128) * 3) * 4
     assert qwen.cache_bytes(0, size) == state
     assert qwen.cache_bytes(10, size) == state + 10 * 12 * 2 * 2 * 256 * size
+    # a context past a model's max_position_embeddings is no cache of that model: '—'
+    args = argparse.Namespace(context=[4096, 8192], batch=1, dtype=torch.bfloat16, models='models')
+    llama2 = bench_cache.model_section(read('llama-2-7b'), args)
+    assert "| as published | 32 x softmax, 32 K/V heads of 128 | 512 | 2.00 | — | — |" in llama2
+    assert "— past its max_position_embeddings, 4,096 tokens" in llama2
     # windows: Gemma 2 alternates 4,096-token local layers and global ones; Gemma 3's 1B has 5
     # local layers of 512 to 1 global (4 of 26); gpt-oss 128-token local layers every other layer
     kv = lambda layers, heads, d, T: layers * 2 * heads * d * T * size

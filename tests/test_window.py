@@ -87,6 +87,18 @@ def test_decode_past_block_size_across_many_wraps_is_the_full_forward(variant, s
     assert nbytes[20:] == nbytes[-1:] * 80 and nbytes[0] < nbytes[-1]
 
 
+def test_a_window_changes_no_weight():
+    """A window says which pairs are computed, not what is learned: the same parameters with and
+    without it, match_mha_params' MLP too (its MHA reference once kept the sinks and lost the
+    windows, and refused config/local_global.py --n_sink=4)."""
+    from run.settings import num_params
+    for windowed, full in ((dict(attn='gqa@16+gqa', n_sink=4), dict(attn='gqa')),
+                           (dict(attn='mla', window=16, n_sink=4), dict(attn='mla')),
+                           (dict(attn='gated_deltanet+gqa@8', n_sink=2), dict(attn='gated_deltanet+gqa'))):
+        assert num_params(GPTConfig(**windowed, match_mha_params=True)) == \
+            num_params(GPTConfig(**full, match_mha_params=True))
+
+
 def test_a_windowed_cache_keeps_n_sink_plus_w_slots_whatever_the_length():
     """The formula (K and V of the n_kv_head heads, for n_sink + W tokens at most) written out, the
     cache's buffers (static ones too) and GPTConfig's accounting."""
@@ -175,7 +187,7 @@ def test_sample_compare_runs_past_block_size_with_the_same_tokens(windowed):
     assert r.returncode == 0, r.stderr
     rows = dict(line.split(' | ', 1) for line in r.stdout.splitlines() if ' | ' in line)
     rows = {k.strip(): v for k, v in rows.items()}
-    assert rows['tokens identical'] == 'yes'
+    assert rows['tokens identical'] == 'yes' and rows['layout'] == 'gqa, window 8 + 2 sinks'
     assert rows['cache bytes at the end (65 tokens x 2 samples)']  # every token, never refilled
     assert rows['cache bytes / token: measured'] == rows['cache bytes / token: formula']
     assert 'no re-prefill' in r.stdout and 'the window slides' not in r.stdout

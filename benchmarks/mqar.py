@@ -24,6 +24,7 @@ from configurator import check_device, check_memory, fail
 from data.mqar.prepare import SETS, load, parse_sets, parse_vocab, prepare, zoology
 from model import GPT, GPTConfig
 from ops.linear import linear_chunked
+from ops.window import sees
 from run.checkpoint import why
 from run.optim import adamw, cosine_lr
 
@@ -37,11 +38,13 @@ ZOOLOGY = dict(vocab=8192, sets=((64, 4), (128, 8), (256, 16), (512, 64)), train
 MQAR_DATA = {'cpu': dict(vocab=256, sets=SETS, train=20000, batch=64, max_iters=1000),
              'cuda': ZOOLOGY}
 # each layout's best peak lr of `bench.py mqar --lrs=3e-4,1e-3,3e-3` (2 seeds, 1,000 steps;
-# 2026-12-05, 82 minutes on 2 cores, results/mqar.md); the others' best: 1e-3. At 3e-3 the linear
+# 2026-12-05, 82 minutes on 2 cores: git log results/mqar.md); the others' best: 1e-3. At 3e-3 the linear
 # rules but 'linear' stayed near chance.
-# (the windowed stacks: their layout's)
-MQAR_LR = {'mha': 3e-3, 'linear': 3e-3, 'mha@8': 3e-3, 'mha@8+sinks': 3e-3}
-MQAR_SWEPT = "2026-12-05's sweep --lrs=0.0003,0.001,0.003"
+# The windowed stacks: of 2026-12-07's sweep, 1 seed (results/mqar-windows-sweep.md), where mha@8
+# stayed near chance at every rate.
+MQAR_LR = {'mha': 3e-3, 'linear': 3e-3, 'mha@8': 3e-4, 'mha@8+sinks': 3e-3}
+MQAR_SWEPT = ("2026-12-05's sweep --lrs=0.0003,0.001,0.003 (the windows': 2026-12-07's, 1 seed, "
+              "results/mqar-windows-sweep.md)")
 # MQAR's stacks: every layout, the hybrid 1:1 on 2 layers, and windows shorter and longer than the
 # sequences (64 to 256 tokens), with and without StreamingLLM's 4 sinks. MQA at a window of 32
 # keys and MHA at 8 keep 2,048 elements a sequence, as much as the linear rules' state.
@@ -216,6 +219,17 @@ def capacity(d_k, pairs, trials=50):
     return rules, recall
 
 
+def reach(window, n_sink, vocab, L, n, count=2000):
+    """No training: the shares of a set's queries whose pair one windowed layer sees (its W most
+    recent keys or a sink), and two layers do (one relaying a value from W - 1 back), on count
+    sequences drawn as data/mqar draws them."""
+    x, y = zoology(vocab, L, n, count, np.random.default_rng(0))
+    row, q = np.nonzero(y >= 0)  # each query, and the position of its pair among the first n
+    j = np.argmax(x[row, :n] // vocab == (x[row, q] // vocab)[:, None], axis=1)
+    one = sees(q, j, window, n_sink)
+    return one.mean(), (one | (q - j <= 2 * (window - 1))).mean()
+
+
 # --- the sweep: every layout, lr and seed, on a pool of workers -----------------------------------
 
 def train_all(runs, args, data):
@@ -318,6 +332,16 @@ def mqar_report(args):
 
     untrained = table(['rewrite (one head, no training)', *[f"N={n}" for n in pairs]],
                       [row(r, *(f"{100 * recall[r, n]:.1f}%" for n in pairs)) for r in rules])
+    windows = [name for name in args.layouts if cfg[name].window]
+    seen = lambda c, L_, n: '{:.1%} / {:.1%}'.format(*reach(c.window, c.n_sink, data['vocab'],
+                                                            L_, n))
+    reached = "" if not windows else (
+        "\n**What a window can see, no training**: the share of the queries whose pair one "
+        "windowed layer sees (its W most recent keys, or a sink), and two layers can (a value "
+        "relayed once: 2W - 1 back), in 2,000 sequences drawn as the sets are; the pairs open "
+        "each sequence, so the sinks hold its first 4:\n\n"
+        + table(['layout: one layer / two', *set_names],
+                [row(name, *(seen(cfg[name], L_, n) for L_, n in sets)) for name in windows]))
 
     swept = ','.join(f'{lr:g}' for lr in every)
     return (described(args, data, swept)
@@ -327,7 +351,7 @@ def mqar_report(args):
             "from):\n\n" + every_lr + "\n**The state's capacity, no training**: N random unit keys "
             f"and values (d_k = {HEAD_DIM}) written into one head's state by model.py's update, "
             "then every key read back; recall = the read is nearest its own value (50 trials):"
-            "\n\n" + untrained)
+            "\n\n" + untrained + reached)
 
 
 def plot_recall(args, sets, sweep, best, state, rules, recall):

@@ -20,6 +20,7 @@ from benchmarks import cache as bench_cache, decode, models as bench_models, mqa
 from benchmarks.common import LAYOUTS, MORE, readme_section
 from benchmarks.models import CHAPTER, from_sizes, read_config
 from benchmarks.timing import take_turns
+from data.mqar.prepare import zoology
 from conftest import ROOT, digest, one_line, run
 from model import GPT, GPTConfig
 
@@ -547,8 +548,14 @@ def test_mqar_report_on_a_tiny_run(tmp_path):
         # 3 steps: nothing crossed, one evaluation
         assert steps0 == steps1 == '—/—/—' and gained == '—'
     assert '--lrs=0.001,0.003' in out and '--vocab=16 --sets=12:2,16:4' in out and 'L=16,N=4' in out
-    default = bench('mqar', '--layouts=mha,deltanet', '--max_iters=3', *tiny,
+    default = bench('mqar', '--layouts=mha,deltanet,mha@8', '--max_iters=3', *tiny,
                     f'--out={tmp_path / "default"}')
+    # a windowed layout: what its window can see, set by set
+    seen = re.search(r"^\| mha@8 \| ([\d.]+)% / ([\d.]+)% \| ([\d.]+)% / ([\d.]+)% \|$", default,
+                     re.M).groups()
+    reach = [100 * v for L, n in ((12, 2), (16, 4)) for v in mqar.reach(8, 0, 16, L, n)]
+    assert [float(p) for p in seen] == pytest.approx(reach, abs=0.051)
+    assert 'What a window can see' not in out
     best = re.findall(r"^\| (mha|deltanet) \| (0.00\d+) \| [\d,]+ \| ([\d.]+)% \| ([\d.]+)% \|",
                       default, re.M)
     assert [b[:2] for b in best] == [(name, f"{mqar.MQAR_LR.get(name, 1e-3):g}")
@@ -560,7 +567,7 @@ def test_mqar_report_on_a_tiny_run(tmp_path):
                               re.M).groups()[lr == '0.003']
             assert abs(sum(float(p) for p in recall) / 2 - float(swept)) < 0.1
     assert default.startswith('`python bench.py mqar --max_iters=3 --vocab=16 --sets=12:2,16:4 '
-                              '--layouts=mha,deltanet` on ')
+                              '--layouts=mha,deltanet,mha@8` on ')
 
 
 def test_mqar_run_stops_at_99_percent_and_records_its_crossings(tmp_path):
@@ -645,6 +652,20 @@ def test_capacity_of_an_untrained_state():
     assert all(recall[r, 4] > 0.99 for r in rules)
     rules, recall = mqar.capacity(16, [64])
     assert recall['accumulate (linear)', 64] < 0.6
+
+
+def test_what_a_window_can_see_is_the_rule_written_out():
+    """MQAR's reach: the queries whose pair a window of W keys (itself included) or a sink holds,
+    and two layers' 2W - 1, counted here query by query."""
+    x, y = zoology(16, 20, 4, 50, np.random.default_rng(0))  # reach's draw
+    for window, n_sink in [(3, 0), (3, 2), (6, 0)]:
+        one, two = [], []
+        for s, q in zip(*np.nonzero(y >= 0)):
+            j = next(p for p in range(4) if x[s, p] // 16 == x[s, q] // 16)
+            one.append(q - j < window or j < n_sink)
+            two.append(q - j < 2 * window - 1 or j < n_sink)
+        assert mqar.reach(window, n_sink, 16, 20, 4, count=50) == (np.mean(one), np.mean(two))
+    assert mqar.reach(1, 4, 16, 20, 4, count=50) == (1, 1)  # the sinks hold every pair
 
 
 def test_bench_gpu_needs_a_gpu_or_says_so():

@@ -358,8 +358,11 @@ def plot_recall(args, sets, sweep, best, state, rules, recall):
     """mqar.png: recall against the pairs, the trained layouts and the untrained state;
     mqar-state.png: recall on the hardest set against the state, as Zoology's figure."""
     pairs, (hard_L, hard_n) = sorted({n for _, n in sets}), sets[-1]
+    # past ten layouts the colours come round again: the windowed ones dashed, in squares
+    style = lambda i, name: dict(marker='so'[name not in WINDOWS], color=f'C{i % 10}',
+                                 ls='-' if name not in WINDOWS else '--')
     trained = [([n for _, n in sets], [100 * sweep.recall(name, best[name], s) for s in sets],
-                name, dict(marker='o', color=f'C{i}')) for i, name in enumerate(args.layouts)]
+                name, style(i, name)) for i, name in enumerate(args.layouts)]
     untrained = [(pairs, [100 * recall[r, n] for n in pairs], f'untrained state: {r}',
                   dict(ls=':', color='gray', marker=m)) for r, m in zip(rules, 'x+^')]
     rank = ([HEAD_DIM] * 2, [0, 100], f'head_dim d_k = {HEAD_DIM} (the state\'s rank)',
@@ -369,7 +372,7 @@ def plot_recall(args, sets, sweep, best, state, rules, recall):
          title='MQAR: recall vs number of pairs (best lr)',
          xlabel='key-value pairs N in the sequence', ylabel=percent, ylim=(0, 102))
     hardest = [([state[name, hard_L]], [100 * sweep.recall(name, best[name], sets[-1])], name,
-                dict(marker='o', color=f'C{i}')) for i, name in enumerate(args.layouts)]
+                style(i, name)) for i, name in enumerate(args.layouts)]
     plot(os.path.join(args.out, 'mqar-state.png'), hardest, LEGEND_OUTSIDE, xscale='log',
          ylim=(0, 102), ylabel=percent,
          title=f'MQAR: recall at L = {hard_L}, N = {hard_n} vs the state (Zoology\'s figure)',

@@ -156,7 +156,7 @@ width = max(map(len, table))
 print('\n'.join(f"{k:<{width}} | {v}" for k, v in table.items()))
 if state:  # bytes that do not grow over tokens that do: the ratio falls as the window fills
     print(f"(the linear layers keep a fixed state: its bytes / token here are over the {held} "
-          f"tokens the window holds now; train.py reports them at block_size={cfg.block_size} "
+          f"tokens the cache has seen; train.py reports them at block_size={cfg.block_size} "
           "tokens)")
 if cfg.endless:  # every softmax layer windowed: the cache stops growing, nothing is refilled
     print(f"(every softmax layer keeps its last {max(cfg.windows)} keys at most"

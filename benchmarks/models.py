@@ -54,11 +54,13 @@ def softmax_layers(c, n_kv, d):
     L, window = c['num_hidden_layers'], c.get('sliding_window')
     H = c.get('num_attention_heads', n_kv)
     types = c.get('layer_types') or ['full_attention'] * L
-    if H % n_kv or set(types) - {'full_attention', 'sliding_attention'} or len(types) != L:
-        raise ModelError(f"{n_kv} K/V heads for {H} query heads, or layer_types other than {L} "
-                         "full_attention / sliding_attention: not a model these families have")
-    # every layer slides when a window is set (Mistral-7B-v0.1)
-    windowed = bool(window) and c.get('use_sliding_window', True) and 'layer_types' not in c
+    if H % n_kv:
+        raise ModelError(f"{n_kv} K/V heads for {H} query heads: not a model these families have")
+    if set(types) - {'full_attention', 'sliding_attention'} or len(types) != L:
+        raise ModelError(f"layer_types other than {L} full_attention / sliding_attention")
+    # Mistral's window slides on every layer (Mistral-7B-v0.1); Llama has none, and Qwen's
+    # sliding_window is read only under use_sliding_window (refused above), as transformers does
+    windowed = bool(window) and c.get('model_type') == 'mistral' and 'layer_types' not in c
     slides = [t == 'sliding_attention' or windowed for t in types]
     if any(slides) and not window:
         raise ModelError("sliding_attention layers without a sliding_window")
@@ -161,6 +163,8 @@ def gemma(c):  # gemma2, gemma3_text: local and global layers, GeGLU MLPs, 4 nor
                          "side) is not read here")
     # Gemma 2 alternates local and global; Gemma 3 has 5 local to 1 global (its older configs say so)
     every = c.get('sliding_window_pattern', 6) if three else 2
+    if not c.get('layer_types') and (every is None or every < 1):
+        raise ModelError(f"sliding_window_pattern={every!r}: every Nth layer global needs N >= 1")
     types = c.get('layer_types') or [
         'full_attention' if (i + 1) % every == 0 else 'sliding_attention' for i in range(L)]
     attn = 2 * C * H * d + 2 * C * kv * d + bool(c.get('attention_bias')) * (H * d + 2 * kv * d + C)
@@ -230,8 +234,8 @@ def read_config(path):
                  *(fn(1) for _, _, fn, *_ in model.groups)]
         if not all(isinstance(n, int) and n >= 1 for n in sizes):
             raise ValueError
-    except ModelError:
-        raise
+    except ModelError as e:
+        raise ModelError(f"{path}: {e}") from None
     except KeyError as e:
         raise ModelError(f"{path}: a {kind} config needs {e.args[0]!r}") from None
     except (TypeError, ValueError, ZeroDivisionError, OverflowError, MemoryError):

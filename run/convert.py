@@ -132,6 +132,8 @@ def conversion(init_from, device, meta, data_dir, remake, config, given):
     own = dict(attn=attn, n_kv_head=config['n_kv_head'], match_mha_params=False,
                dropout=config['dropout'], block_size=block_size,
                **{k: config[k] for k in ('kv_lora_rank', 'rope_head_dim', 'q_lora_rank')})
+    if '@' in attn and 'window' not in given:  # windows spelled per layer: the source's window= too
+        own['window'] = 0
     # the data against that block_size (train.py checked it against the flag's)
     if block_size > config['block_size']:
         with fail_on(PrepareError):
@@ -157,7 +159,7 @@ def conversion(init_from, device, meta, data_dir, remake, config, given):
         if cfg.pos_emb == 'learned':  # the positions it keeps
             wpe = 'transformer.wpe.weight'
             state = {**state, wpe: state[wpe][:block_size]}
-        if attn == 'mla':
+        if gptconf.softmax == 'mla':  # ('mla', or spelled per layer: 'mla@16+mla')
             return gptconf, to_mla(state, cfg, gptconf)
         return gptconf, pool_kv_heads(state, cfg, gptconf.n_kv_head)
     except ValueError as e:

@@ -927,6 +927,11 @@ def test_published_models_caches():
     assert read('gemma-3-1b-it').cache_bytes(T, size) == kv(4, 1, 256, T) + kv(22, 1, 256, 512)
     assert read('gpt-oss-20b').cache_bytes(T, size) == kv(12, 8, 64, T) + kv(12, 8, 64, 128)
     assert read('gpt-oss-20b').cache_bytes(T, size, windows=False) == kv(24, 8, 64, T)
+    # a sliding_window where transformers reads none: Llama's, and Qwen2's without use_sliding_window
+    llama = json.load(open(os.path.join(ROOT, 'models', 'llama-3-8b.json')))
+    for kind in ('llama', 'qwen2', 'mistral'):
+        model = bench_models.llama(dict(llama, model_type=kind, sliding_window=4096))
+        assert model.windowed == (kind == 'mistral')
     # Gemma 3's global layers are every 6th, from its sliding_window_pattern or its layer_types
     gemma = json.load(open(os.path.join(ROOT, 'models', 'gemma-3-1b-it.json')))
     types = ['full_attention' if i % 6 == 5 else 'sliding_attention' for i in range(26)]
@@ -1000,7 +1005,7 @@ def test_a_config_the_calculator_cannot_read_is_one_line(tmp_path, capsys):
                          "'sliding_window_pattern' changes what a layer caches"),
         'gemma.json': (dict(gemma, sliding_window=None), "sliding_attention layers without a sliding_window"),
         'encoder.json': (dict(gemma, use_bidirectional_attention=True), "use_bidirectional_attention"),
-        'every.json': (dict(gemma, sliding_window_pattern=0), "its sizes or layer_types do not make"),
+        'every.json': (dict(gemma, sliding_window_pattern=0), "sliding_window_pattern=0: every Nth"),
         'oss.json': ({k: v for k, v in oss.items() if k != 'num_local_experts'},
                      "a gpt_oss config needs 'num_local_experts'"),
     }
@@ -1013,6 +1018,7 @@ def test_a_config_the_calculator_cannot_read_is_one_line(tmp_path, capsys):
             bench_main(['cache', f'--models={tmp_path / name}', f'--out={tmp_path}'])
         err = capsys.readouterr().err
         assert e.value.code == 2 and msg in err and len(err.strip().splitlines()) == 1, err
+        assert str(tmp_path / name) in err  # which of the files given
     for sizes, msg in [('n_layer=32,n_head=32', "head_dim=N"),
                        ('n_layer=32,n_head=32,head_dim=x', "sizes are numbers"),
                        ('n_layer=2,n_head=6,head_dim=8,n_kv_head=4', "dividing")]:

@@ -209,3 +209,20 @@ def test_a_resume_or_conversion_that_changes_the_window_is_one_line(windowed, tr
     assert "keeps its shape: drop --window=8 (the checkpoint has 0)" in err, err
     err = refused(str(trained) + '-gqa', char_data, f'--init_from={trained}', "--attn=gqa@8+gqa")
     assert "keeps its windows" in err, err
+
+
+def test_a_conversion_keeps_the_windows_however_they_are_spelled(tmp_path, char_data):
+    """An MHA run with local and global layers converts to each softmax layout spelled per layer
+    (MLA too), and one windowed with window= to the same windows spelled with '@'."""
+    local_global, every = tmp_path / 'local_global', tmp_path / 'every'
+    train(local_global, char_data, '--attn=mha@8+mha', '--max_iters=2', '--eval_interval=2')
+    train(every, char_data, '--window=8', '--n_sink=2', '--max_iters=2', '--eval_interval=2')
+    for source, attn, windows in [(local_global, 'mla@8+mla', [8, 0]),
+                                  (local_global, 'gqa@8+gqa', [8, 0]), (every, 'mqa@8', [8, 8])]:
+        out = tmp_path / f"{source.name}-{attn.replace('@', '-').replace('+', '-')}"
+        train(out, char_data, f'--init_from={source}', f'--attn={attn}', '--max_iters=2',
+              '--eval_interval=2')
+        args = torch.load(out / 'ckpt.pt', weights_only=True)['model_args']
+        config = GPTConfig(**args)
+        assert config.windows[:2] == windows and config.pattern()[0] == attn[:3]
+        assert config.n_sink == (2 if source == every else 0)

@@ -195,6 +195,10 @@ class Assignments(dict):
         super().__setitem__(key, value)
         self.assigned[key] = None
 
+    def __delitem__(self, key):  # `del name`: as if never assigned (a helper's scratch)
+        super().__delitem__(key)
+        self.assigned.pop(key, None)
+
 
 def configure(config, argv, script=None, given=None):
     """config: {key: default}. Returns a new dict with config files and overrides applied, in
@@ -215,6 +219,9 @@ def configure(config, argv, script=None, given=None):
             try:
                 with open(arg) as f:  # one namespace: a generator or lambda sees the file's names
                     exec(compile(f.read(), arg, 'exec'), scope, scope)
+            except SystemExit as e:  # never a silent stop, nor its code for ours
+                code = '' if e.code is None else repr(e.code)
+                fail(f"config file {arg!r} called sys.exit({code}): a config file sets keys")
             except Exception as e:
                 fail(f"config file {arg!r} failed: {type(e).__name__}: {e}")
             for key in scope.assigned:

@@ -84,6 +84,22 @@ def test_a_config_file_is_python_with_helpers(tmp_path, capsys):
         assert capsys.readouterr().err == f"error: {said}\n"
 
 
+def test_a_config_file_that_exits_or_deletes_a_name(tmp_path, capsys):
+    """sys.exit() in a config file is one line, not a silent stop with its code; a name it
+    deletes is as if never assigned (it was a KeyError's traceback)."""
+    f = tmp_path / 'c.py'
+    for code in ('', '3'):
+        f.write_text(f"import sys\nsys.exit({code})\n")
+        with pytest.raises(SystemExit) as e:
+            configure(DEFAULTS, [str(f)])
+        assert e.value.code == 2
+        said = f"error: config file {str(f)!r} called sys.exit({code}): a config file sets keys\n"
+        assert capsys.readouterr().err == said
+    f.write_text("attn = 'gqa'\n_scratch = 1\ndel attn, _scratch\nbatch_size = 3\n")
+    config = configure(DEFAULTS, [str(f)])
+    assert config['attn'] == DEFAULTS['attn'] and config['batch_size'] == 3
+
+
 LAYOUTS = "('mha', 'gqa', 'mqa', 'mla', 'linear', 'retnet', 'mamba2', 'deltanet', 'gated_deltanet')"
 TRAIN_REFUSALS = [  # (train.py's flags, what it says)
     (['--n_layr=2'], "unknown config key 'n_layr' in --n_layr (did you mean 'n_layer'?)"),

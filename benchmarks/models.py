@@ -206,13 +206,24 @@ OWN = {'deepseek_v2': 'kv_lora_rank', 'deepseek_v3': 'kv_lora_rank',
        'qwen3_next': 'linear_num_value_heads', 'gemma3_text': 'sliding_window_pattern'}
 
 
+CONFIG_BYTES = 1 << 20  # a published config.json is kilobytes (Qwen3-Next's, 3)
+
+
 def read_config(path):
     """A published config.json -> Published; a file we cannot read exactly: ModelError."""
+    if os.path.exists(path) and not os.path.isfile(path):  # a FIFO would block, a device not end
+        raise ModelError(f"{path}: not a file (a config.json is one)")
     try:
         with open(path) as f:
-            c = json.load(f)
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ModelError(f"cannot read {path}: {getattr(e, 'strerror', None) or e}") from None
+            text = f.read(CONFIG_BYTES + 1)
+        c = json.loads(text) if len(text) <= CONFIG_BYTES else None
+    except (OSError, UnicodeDecodeError, ValueError, RecursionError) as e:  # (ValueError: JSON's,
+        # a 5,000-digit number too; RecursionError: nested thousands deep)
+        why = getattr(e, 'strerror', None) or (e if str(e) else type(e).__name__)
+        raise ModelError(f"cannot read {path}: {why}") from None
+    if len(text) > CONFIG_BYTES:
+        raise ModelError(f"{path}: over {CONFIG_BYTES:,} characters: not a config.json (a few "
+                         "kilobytes)")
     if not isinstance(c, dict):
         raise ModelError(f"{path}: not a config.json (a JSON object)")
     kind = c.get('model_type')

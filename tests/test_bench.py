@@ -1014,6 +1014,16 @@ def test_a_config_the_calculator_cannot_read_is_one_line(tmp_path, capsys):
         (tmp_path / name).write_text(json.dumps(config))
     (tmp_path / 'broken.json').write_text('{"model_type": "llama",')
     cases['broken.json'] = (None, 'cannot read')
+    # what is no config.json: read to its end, or nested past Python's recursion, or blocking
+    (tmp_path / 'deep.json').write_text('[' * 200_000 + ']' * 200_000)
+    (tmp_path / 'digits.json').write_text('{"hidden_size": ' + '9' * 5000 + '}')
+    with open(tmp_path / 'sparse.json', 'wb') as f:
+        f.truncate(1 << 30)
+    os.mkfifo(tmp_path / 'fifo.json')
+    os.symlink('/dev/zero', tmp_path / 'dev-zero.json')
+    cases |= {'deep.json': (None, 'cannot read'), 'digits.json': (None, 'Exceeds the limit'),
+              'sparse.json': (None, 'not a config.json (a few kilobytes)'),
+              'fifo.json': (None, 'not a file'), 'dev-zero.json': (None, 'not a file')}
     for name, (_, msg) in cases.items():
         with pytest.raises(SystemExit) as e:
             bench_main(['cache', f'--models={tmp_path / name}', f'--out={tmp_path}'])

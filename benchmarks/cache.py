@@ -16,7 +16,7 @@ import os
 
 import torch
 
-from benchmarks.common import (HYBRID, LAYOUTS, MORE, ROOT, add_layouts, count, flag, listed, row,
+from benchmarks.common import (HYBRID, LAYOUTS, MORE, ROOT, add_layouts, flag, listed, row,
                                table)
 from benchmarks.models import CHAPTER, ModelError, from_sizes, read_config
 from configurator import checked
@@ -33,9 +33,12 @@ def add_arguments(p):
          "published config.json files (or folders of them), comma-separated")
     flag(p, 'sizes', CHAPTER, str, "a softmax model by its sizes: n_layer, n_head, head_dim "
          "[, n_kv_head, params]")
-    flag(p, 'context', '8192,131072', listed(int, lambda v: v[0] >= 1, "give integers >= 1"),
+    # bounds far past any model's, below what a float's GiB can hold
+    flag(p, 'context', '8192,131072', listed(int, lambda v: 1 <= v[0] and v[-1] <= 2 ** 50,
+                                             "give integers from 1 to 2^50"),
          'tokens in the cache, comma-separated: a column each')
-    flag(p, 'batch', 1, count, 'sequences')
+    flag(p, 'batch', 1, checked(int, lambda v: 1 <= v <= 2 ** 30, "give an integer from 1 to 2^30"),
+         'sequences')
     dtype = checked(DTYPES.get, bool, f"choose from {', '.join(DTYPES)}")
     flag(p, 'dtype', 'bfloat16', dtype, f"{', '.join(DTYPES)}: the type of the cached keys and "
          "values, and of the weights (a linear layer's state: float32 at least)")
@@ -174,9 +177,10 @@ def model_section(m, args):
               f'cache / weights{longest}' * bool(weights)]
     lines, reach = [], lambda T: not m.context or T <= m.context  # (past it: not a model's cache)
     for name, what, per_tok, totals in model_rows(m, args):
-        totals = totals and [t if reach(T) else None for T, t in zip(args.context, totals)]
-        gib = [f"{t / GiB:,.2f}" if t is not None else '—' for t in totals or [None] * len(args.context)]
-        ratio = [f"{totals[-1] / weights:.2f}" if totals and totals[-1] else '—'] if weights else []
+        totals = [t if totals and reach(T) else None
+                  for T, t in zip(args.context, totals or [None] * len(args.context))]
+        gib = [f"{t / GiB:,.2f}" if t is not None else '—' for t in totals]
+        ratio = [f"{totals[-1] / weights:.2f}" if totals[-1] else '—'] if weights else []
         lines.append(row(name, what, '—' if per_tok is None else kib(per_tok), *gib, *ratio))
     count = f"{m.params / 1e9:,.1f}B" if m.params >= 1e9 else f"{m.params / 1e6:,.1f}M"
     about = (f"{count} parameters, {weights / GiB:,.1f} GiB of weights at "

@@ -338,6 +338,9 @@ def test_bad_arguments_are_one_line(tmp_path, capsys, monkeypatch):
         (['convert', '--device=cuda'], "unrecognized arguments: --device=cuda"),
         ([], "the following arguments are required: mode"),
         (['decode', '--batch=0'], "--batch: '0': give an integer >= 1"),
+        # past what a float holds: an OverflowError's traceback
+        (['cache', '--layouts=mha', '--context=1' + '0' * 400], "give integers from 1 to 2^50"),
+        (['cache', '--layouts=mha', '--batch=1' + '0' * 320], "give an integer from 1 to 2^30"),
         (['decode', '--t=1048576'],
          "--t=1048576, --batch=16, --contexts, the sizes: weights and caches need"),
         (['decode', '--layouts=linear', '--t=100000000'],

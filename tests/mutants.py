@@ -22,7 +22,8 @@ import tempfile
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FILES = ('model.py', 'ops/softmax.py', 'ops/mla.py', 'ops/linear.py', 'ops/window.py', 'ops/cache.py',
          'ops/sampling.py', 'run/checkpoint.py', 'run/convert.py', 'run/optim.py', 'train.py',
-         'sample.py', 'configurator.py', 'benchmarks/mqar.py', 'benchmarks/decode.py')
+         'sample.py', 'configurator.py', 'benchmarks/mqar.py', 'benchmarks/decode.py',
+         'benchmarks/models.py')
 # no train.py runs; the quick files first, so that -x stops a caught mutant early
 MODEL_TESTS = ['test_reference.py', 'test_mla.py', 'test_config.py', 'test_hybrid.py',
                'test_attention.py', 'test_linear.py', 'test_memory.py', 'test_property.py',
@@ -206,6 +207,15 @@ MUTANTS = [  # (what the bug is, the fragment, its replacement[, the tests that 
      "block_size = math.inf if model.config.endless else model.config.block_size",
      "block_size = model.config.block_size",
      ['test_window.py::test_generation_past_block_size']),
+    ("window: a conversion to MLA spelled per layer pooled as GQA",
+     "if gptconf.softmax == 'mla':", "if attn == 'mla':",
+     ['test_window.py::test_a_conversion_keeps_the_windows_however_they_are_spelled']),
+    # issue #64's, planted in the calculator and the config files
+    ("calculator: a sliding_window read on every family (Llama's, Qwen's switched off)",
+     "bool(window) and c.get('model_type') == 'mistral' and", "bool(window) and",
+     ['test_bench.py::test_published_models_caches']),
+    ("config file: sys.exit() a silent stop", "except SystemExit as e:", "except ValueError as e:",
+     ['test_configurator.py::test_a_config_file_that_exits_or_deletes_a_name']),
 ]
 
 

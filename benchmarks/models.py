@@ -194,7 +194,8 @@ FAMILIES = {'llama': llama, 'mistral': llama, 'qwen2': llama, 'qwen3': llama, 'f
             'qwen3_next': qwen3_next, 'gemma2': gemma, 'gemma3_text': gemma, 'gpt_oss': gpt_oss}
 SIZE_FIELDS = {'hidden_size', 'num_attention_heads', 'num_hidden_layers', 'vocab_size',
                'num_key_value_heads', 'head_dim', 'intermediate_size', 'sliding_window', 'n_embd',
-               'n_head', 'n_layer', 'n_positions', 'max_position_embeddings', 'n_inner', 'ffn_hidden_size', 'kv_lora_rank',
+               'n_head', 'n_layer', 'n_positions', 'max_position_embeddings', 'n_inner',
+               'ffn_hidden_size', 'kv_lora_rank',
                'q_lora_rank', 'qk_rope_head_dim', 'qk_nope_head_dim', 'v_head_dim',
                'n_routed_experts', 'n_shared_experts', 'moe_intermediate_size',
                'first_k_dense_replace', 'num_experts', 'shared_expert_intermediate_size',

@@ -38,8 +38,8 @@ ZOOLOGY = dict(vocab=8192, sets=((64, 4), (128, 8), (256, 16), (512, 64)), train
 MQAR_DATA = {'cpu': dict(vocab=256, sets=SETS, train=20000, batch=64, max_iters=1000),
              'cuda': ZOOLOGY}
 # each layout's best peak lr of `bench.py mqar --lrs=3e-4,1e-3,3e-3` (2 seeds, 1,000 steps;
-# 2026-12-05, 82 minutes on 2 cores: git log results/mqar.md); the others' best: 1e-3. At 3e-3 the linear
-# rules but 'linear' stayed near chance.
+# 2026-12-05, 82 minutes on 2 cores: git log results/mqar.md); the others' best: 1e-3. At 3e-3
+# the linear rules but 'linear' stayed near chance.
 # The windowed stacks: of 2026-12-07's sweep, 1 seed (results/mqar-windows-sweep.md), where mha@8
 # stayed near chance at every rate.
 MQAR_LR = {'mha': 3e-3, 'linear': 3e-3, 'mha@8': 3e-4, 'mha@8+sinks': 3e-3}
